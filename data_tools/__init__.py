@@ -1,0 +1,1 @@
+"""Offline data and tiny-model builders for vlrft (synthetic tasks, toy checkpoints)."""

@@ -1,0 +1,200 @@
+"""Seeded synthetic tasks written in the canonical vlrft dataset schema.
+
+A JSONL row looks like::
+
+    {"id": "color_shapes-train-00000",
+     "messages": [{"role": "user", "content": [
+         {"type": "image", "image": "images/train_00000.png"},
+         {"type": "text", "text": COLOUR_QUESTION}]}],
+     "answer": "red", "data_source": "color_shapes", "meta": {...}}
+
+Image paths are relative to the directory holding the JSONL file, so a dataset
+directory can be moved or copied as a unit.
+
+Two tasks:
+  * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
+                   chance = 1/len(COLOURS) = 25%).
+  * ``addition`` - single-digit addition, text only (a cheap sanity task).
+
+CLI::
+
+    python -m data_tools.synth_shapes --task colors|addition --out DIR \
+        [--n-train 2000] [--n-test 200] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+COLOURS = ("red", "green", "blue", "yellow")
+SHAPES = ("circle", "square", "triangle")
+COLOUR_QUESTION = "What colour is the shape? Answer as <answer>colour</answer>."
+
+COLOR_SOURCE = "color_shapes"
+ADDITION_SOURCE = "addition"
+
+# Base RGB per colour. Jitter (below) stays well inside the "obviously this colour"
+# region so the label is never ambiguous, even after the mild background noise.
+_BASE_RGB = {
+    "red": (215, 40, 40),
+    "green": (40, 165, 60),
+    "blue": (40, 70, 215),
+    "yellow": (230, 205, 35),
+}
+_COLOUR_JITTER = 15
+
+
+def addition_question(a: int, b: int) -> str:
+    return f"What is {a} + {b}? Answer as <answer>number</answer>."
+
+
+def format_answer(x) -> str:
+    """The answer format every task (and the tiny model's warm-up) uses."""
+    return f"<answer>{x}</answer>"
+
+
+# --------------------------------------------------------------------------- images
+
+
+def render_shape(colour: str, shape: str, rng: np.random.Generator, size: int = 56) -> Image.Image:
+    """One filled ``shape`` in ``colour`` on a noisy light-grey background (RGB, size x size).
+
+    Position, size, exact RGB and background shading are random (drawn from ``rng``)
+    so a policy cannot memorise pixels, but the colour is always unambiguous.
+    """
+    if colour not in _BASE_RGB:
+        raise ValueError(f"unknown colour {colour!r}; expected one of {COLOURS}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+
+    # Background: light grey with a random linear shade plus per-pixel noise.
+    grey = rng.uniform(195, 225)
+    ramp = np.linspace(-1.0, 1.0, size)
+    gx, gy = rng.uniform(-8, 8, size=2)
+    shade = grey + gx * ramp[None, :] + gy * ramp[:, None]
+    bg = shade[:, :, None] + rng.normal(0.0, 4.0, size=(size, size, 3))
+    img = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8), "RGB")
+
+    # Shape: 40-70% of the image side, placed fully inside with a small margin.
+    side = int(rng.integers(int(0.4 * size), int(0.7 * size) + 1))
+    margin = 2
+    x0 = int(rng.integers(margin, size - side - margin + 1))
+    y0 = int(rng.integers(margin, size - side - margin + 1))
+    box = (x0, y0, x0 + side - 1, y0 + side - 1)
+    fill = tuple(
+        int(np.clip(c + rng.integers(-_COLOUR_JITTER, _COLOUR_JITTER + 1), 0, 255)) for c in _BASE_RGB[colour]
+    )
+
+    draw = ImageDraw.Draw(img)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:  # triangle, apex up
+        draw.polygon([(x0 + side / 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill)
+    return img
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def colour_row(row_id: str, image_path: str, colour: str, shape: str) -> dict:
+    """A colour-question row; ``image_path`` must be relative to the JSONL's directory."""
+    return {
+        "id": row_id,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": image_path},
+                    {"type": "text", "text": COLOUR_QUESTION},
+                ],
+            }
+        ],
+        "answer": colour,
+        "data_source": COLOR_SOURCE,
+        "meta": {"colour": colour, "shape": shape},
+    }
+
+
+def addition_row(row_id: str, a: int, b: int) -> dict:
+    return {
+        "id": row_id,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": addition_question(a, b)}]}],
+        "answer": str(a + b),
+        "data_source": ADDITION_SOURCE,
+        "meta": {"a": a, "b": b},
+    }
+
+
+def balanced_colours(n: int, rng: np.random.Generator) -> list[str]:
+    """``n`` colours, each appearing n // 4 or n // 4 + 1 times, in random order."""
+    colours = [COLOURS[i % len(COLOURS)] for i in range(n)]
+    order = rng.permutation(n)
+    return [colours[i] for i in order]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _split_rngs(seed: int) -> dict[str, np.random.Generator]:
+    # Independent streams per split: changing n_train does not change the test set.
+    train, test = np.random.SeedSequence(seed).spawn(2)
+    return {"train": np.random.default_rng(train), "test": np.random.default_rng(test)}
+
+
+def write_colour_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """Write ``train.jsonl``, ``test.jsonl`` and ``images/*.png`` under ``out_dir``."""
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rngs = _split_rngs(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rng = rngs[split]
+        rows = []
+        for i, colour in enumerate(balanced_colours(n, rng)):
+            shape = SHAPES[int(rng.integers(len(SHAPES)))]
+            rel = f"images/{split}_{i:05d}.png"
+            render_shape(colour, shape, rng).save(out_dir / rel)
+            rows.append(colour_row(f"{COLOR_SOURCE}-{split}-{i:05d}", rel, colour, shape))
+        _write_jsonl(out_dir / f"{split}.jsonl", rows)
+    return out_dir
+
+
+def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """Single-digit addition (a, b in 0..9, answer str(a + b)); text only."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rngs = _split_rngs(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rng = rngs[split]
+        pairs = rng.integers(0, 10, size=(n, 2))
+        rows = [addition_row(f"{ADDITION_SOURCE}-{split}-{i:05d}", int(a), int(b)) for i, (a, b) in enumerate(pairs)]
+        _write_jsonl(out_dir / f"{split}.jsonl", rows)
+    return out_dir
+
+
+TASKS = {"colors": write_colour_task, "addition": write_addition_task}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", choices=sorted(TASKS), required=True)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--n-train", type=int, default=2000)
+    p.add_argument("--n-test", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    out = TASKS[args.task](args.out, args.n_train, args.n_test, args.seed)
+    print(f"wrote {args.task}: {args.n_train} train / {args.n_test} test rows to {out}")
+
+
+if __name__ == "__main__":
+    main()

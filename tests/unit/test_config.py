@@ -1,0 +1,75 @@
+import pytest
+
+from vlrft.config import ConfigError, check_world_size, load_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
+
+
+def test_paths_resolve_relative_to_the_config_file(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.model.path == str(tmp_path / "m")
+    assert cfg.data.train_path == str(tmp_path / "d.jsonl")
+
+
+def test_unknown_key_names_key_and_valid_keys(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, BASE + "train: {learning_rate: 0.1}\n"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "'train.learning_rate'" in message
+    assert "lr" in message and "micro_batch_tokens" in message
+
+
+def test_unknown_top_level_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'trainer'; valid keys here: model, data"):
+        load_config(write(tmp_path, BASE + "trainer: {}\n"))
+
+
+def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["train.lr=1e-3", "rollout.n_samples_per_prompt=4", "algo.kl.coef=0.5"])
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.algo.kl.coef == 0.5
+
+
+def test_override_of_unknown_key_fails(tmp_path):
+    with pytest.raises(ConfigError, match="'rollout.samples'"):
+        load_config(write(tmp_path, BASE), ["rollout.samples=3"])
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="'train.total_steps' must be int"):
+        load_config(write(tmp_path, BASE), ["train.total_steps=many"])
+
+
+def test_group_estimator_needs_two_samples(tmp_path):
+    with pytest.raises(ConfigError, match="n_samples_per_prompt must be >= 2"):
+        load_config(write(tmp_path, BASE), ["rollout.n_samples_per_prompt=1"])
+
+
+def test_unknown_algorithm_name_lists_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match="unknown KL estimator 'k9'; valid: abs, k1, k2, k3"):
+        load_config(write(tmp_path, BASE), ["algo.kl.estimator=k9"])
+    with pytest.raises(ConfigError, match="valid: token-mean"):
+        load_config(write(tmp_path, BASE), ["algo.loss_agg_mode=mean"])
+
+
+def test_reward_specs_are_typed(tmp_path):
+    text = BASE + "reward:\n  by_data_source:\n    maths: [{recipe: exact_match, weight: 2}]\n"
+    cfg = load_config(write(tmp_path, text))
+    spec = cfg.reward.by_data_source["maths"][0]
+    assert spec.recipe == "exact_match" and spec.weight == 2.0 and spec.kwargs == {}
+
+
+def test_rollout_prompts_must_divide_over_ranks(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["rollout.rollout_prompts=3"])
+    check_world_size(cfg, 1)
+    with pytest.raises(ConfigError, match="divisible by the world size"):
+        check_world_size(cfg, 2)

@@ -1,0 +1,196 @@
+"""Fast checks for data_tools: synthetic datasets and tiny offline checkpoints (no warm-up)."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data_tools import make_tiny_model as mtm
+from data_tools import synth_shapes as ss
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def test_constants_and_formatting():
+    assert ss.COLOURS == ("red", "green", "blue", "yellow")
+    assert ss.addition_question(3, 5) == "What is 3 + 5? Answer as <answer>number</answer>."
+    assert ss.format_answer("red") == "<answer>red</answer>"
+    assert ss.format_answer(12) == "<answer>12</answer>"
+
+
+def test_render_shape_is_rgb_and_seeded():
+    img = ss.render_shape("blue", "triangle", np.random.default_rng(1))
+    assert img.mode == "RGB" and img.size == (56, 56)
+    again = ss.render_shape("blue", "triangle", np.random.default_rng(1))
+    assert np.array_equal(np.asarray(img), np.asarray(again))
+    with pytest.raises(ValueError):
+        ss.render_shape("purple", "circle", np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("colour", ss.COLOURS)
+def test_rendered_colour_is_unambiguous(colour):
+    # The most saturated pixels (the shape) must be closest to the intended base colour.
+    base = {c: np.array(v, dtype=float) for c, v in ss._BASE_RGB.items()}
+    for seed in range(5):
+        px = np.asarray(ss.render_shape(colour, "square", np.random.default_rng(seed)), dtype=float).reshape(-1, 3)
+        shape_px = px[(px.max(1) - px.min(1)) > 80]
+        assert len(shape_px) > 100
+        mean = shape_px.mean(0)
+        assert min(base, key=lambda c: np.linalg.norm(base[c] - mean)) == colour
+
+
+def test_colour_task_schema_images_and_balance(tmp_path):
+    ss.write_colour_task(tmp_path, n_train=40, n_test=12, seed=3)
+    for split, n in (("train", 40), ("test", 12)):
+        rows = _rows(tmp_path / f"{split}.jsonl")
+        assert len(rows) == n
+        assert len({r["id"] for r in rows}) == n
+        for r in rows:
+            assert set(r) == {"id", "messages", "answer", "data_source", "meta"}
+            assert r["data_source"] == "color_shapes" and r["answer"] in ss.COLOURS
+            (msg,) = r["messages"]
+            assert msg["role"] == "user"
+            image_part, text_part = msg["content"]
+            assert text_part == {"type": "text", "text": ss.COLOUR_QUESTION}
+            rel = image_part["image"]
+            assert image_part["type"] == "image" and not Path(rel).is_absolute() and rel.startswith("images/")
+            with Image.open(tmp_path / rel) as im:
+                assert im.size == (56, 56)
+        counts = Counter(r["answer"] for r in rows)
+        assert set(counts) == set(ss.COLOURS) and max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_colour_task_is_reproducible(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    ss.write_colour_task(a, 8, 4, seed=7)
+    ss.write_colour_task(b, 8, 4, seed=7)
+    ss.write_colour_task(c, 8, 4, seed=8)
+    for name in ("train.jsonl", "test.jsonl", "images/train_00003.png", "images/test_00001.png"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert (a / "train.jsonl").read_bytes() != (c / "train.jsonl").read_bytes()
+
+
+def test_addition_task(tmp_path):
+    ss.write_addition_task(tmp_path, n_train=50, n_test=10, seed=0)
+    rows = _rows(tmp_path / "train.jsonl")
+    assert len(rows) == 50 and len(_rows(tmp_path / "test.jsonl")) == 10
+    for r in rows:
+        a, b = r["meta"]["a"], r["meta"]["b"]
+        assert 0 <= a <= 9 and 0 <= b <= 9
+        assert r["answer"] == str(a + b) and r["data_source"] == "addition"
+        assert r["messages"][0]["content"] == [{"type": "text", "text": ss.addition_question(a, b)}]
+    ss.write_addition_task(tmp_path / "again", n_train=50, n_test=10, seed=0)
+    assert (tmp_path / "train.jsonl").read_bytes() == (tmp_path / "again" / "train.jsonl").read_bytes()
+
+
+def test_synth_cli(tmp_path):
+    ss.main(["--task", "colors", "--out", str(tmp_path), "--n-train", "4", "--n-test", "2", "--seed", "1"])
+    assert len(_rows(tmp_path / "train.jsonl")) == 4 and len(_rows(tmp_path / "test.jsonl")) == 2
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_tokens_are_compact():
+    tok = mtm.build_tokenizer()
+    ids = mtm.special_token_ids(tok)
+    assert len(set(ids.values())) == len(ids)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert 600 <= len(tok) <= 1000
+    for colour in ss.COLOURS:
+        assert len(tok(ss.format_answer(colour), add_special_tokens=False)["input_ids"]) == 3
+    assert tok(ss.format_answer(7), add_special_tokens=False)["input_ids"][0] == ids["<answer>"]
+
+
+def test_chat_template():
+    tok = mtm.build_tokenizer()
+    text = tok.apply_chat_template(mtm.colour_messages(), add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+        + ss.COLOUR_QUESTION
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return mtm.build_vl_model(tmp_path_factory.mktemp("tiny_vl"), warmup_steps=0)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    return mtm.build_text_model(tmp_path_factory.mktemp("tiny_text"), warmup_steps=0)
+
+
+def test_vl_checkpoint_reloads_and_runs(vl_dir):
+    from transformers import (
+        AutoImageProcessor,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    tok = AutoTokenizer.from_pretrained(vl_dir)
+    ip = AutoImageProcessor.from_pretrained(vl_dir)
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    assert isinstance(model, Qwen2_5_VLForConditionalGeneration)
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir)
+
+    # Vision token ids in the config are the tokenizer's.
+    cfg = model.config
+    ids = {t: tok.convert_tokens_to_ids(t) for t in mtm.SPECIAL_TOKENS}
+    assert cfg.image_token_id == ids["<|image_pad|>"]
+    assert cfg.video_token_id == ids["<|video_pad|>"]
+    assert cfg.vision_start_token_id == ids["<|vision_start|>"]
+    assert cfg.vision_end_token_id == ids["<|vision_end|>"]
+    assert cfg.text_config.vocab_size == len(tok)
+    assert model.generation_config.eos_token_id == ids["<|im_end|>"]
+    assert model.generation_config.pad_token_id == ids["<|endoftext|>"]
+
+    # A 56x56 image -> grid (1, 4, 4) -> 4 image tokens after the 2x2 merge.
+    images = [ss.render_shape(c, "circle", np.random.default_rng(i)) for i, c in enumerate(ss.COLOURS[:2])]
+    inputs = mtm.vl_prompt_inputs(tok, ip, [mtm.colour_messages()] * 2, images)
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
+    assert inputs["pixel_values"].shape == (32, 3 * 2 * 14 * 14)
+    assert (inputs["input_ids"] == ids["<|image_pad|>"]).sum(1).tolist() == [4, 4]
+
+    with torch.no_grad():
+        out = model(**inputs)
+    assert out.logits.shape == (*inputs["input_ids"].shape, len(tok))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_text_checkpoint_reloads(text_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    model = AutoModelForCausalLM.from_pretrained(text_dir).eval()
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert model.config.vocab_size == len(tok) and model.config.hidden_size == 128
+    assert not (Path(text_dir) / "preprocessor_config.json").exists()
+    text = tok.apply_chat_template(mtm.addition_messages(3, 5), add_generation_prompt=True, tokenize=False)
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, enc["input_ids"].shape[1] + 3) or out[0, -1].item() == tok.eos_token_id
+
+
+def test_parse_answer():
+    assert mtm.parse_answer("<answer>red</answer>") == "red"
+    assert mtm.parse_answer(" <answer>12</answer>\n") == "12"
+    assert mtm.parse_answer("<answer></answer>") is None
+    assert mtm.parse_answer("red") is None

@@ -1,0 +1,54 @@
+import pytest
+
+from reward_recipes.answer_match import exact_match
+from reward_recipes.format import answer_tag_format
+from vlrft.config import ConfigError, RecipeSpec, RewardConfig
+from vlrft.rewards.mix import RewardMix, resolve_recipe
+
+
+def test_exact_match_extracts_and_normalises():
+    samples = [{"answer": "Red"}] * 4
+    completions = ["<answer> red. </answer>", "<answer>blue</answer>", "red", "<answer>RED</answer> more"]
+    assert exact_match(completions, samples) == [1.0, 0.0, 1.0, 1.0]
+    assert exact_match(completions, samples, normalised=False) == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_answer_format_is_strict():
+    got = answer_tag_format(["<answer>red</answer>", " <answer>7</answer>\n", "red", "<answer></answer>", "x<answer>a</answer>"], [{}] * 5)
+    assert got == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_mix_per_data_source_with_weights_and_components(tmp_path):
+    user = tmp_path / "my_recipe.py"
+    user.write_text("def length(completions, samples, scale=1.0):\n    return [scale * len(c) for c in completions]\n")
+    cfg = RewardConfig(
+        default=[RecipeSpec(recipe="exact_match")],
+        by_data_source={
+            "maths": [
+                RecipeSpec(recipe="exact_match", weight=2.0),
+                RecipeSpec(recipe=f"{user}:length", weight=0.5, kwargs={"scale": 0.1}),
+            ]
+        },
+    )
+    mix = RewardMix(cfg)
+    samples = [{"answer": "4", "data_source": "maths"}, {"answer": "4", "data_source": "other"}]
+    totals, components = mix.score(["<answer>4</answer>", "4"], samples)
+    # maths: 2 * 1 + 0.5 * (0.1 * 18 chars) = 2.9 ; other: exact_match only = 1
+    assert totals == pytest.approx([2.9, 1.0])
+    assert components[0] == pytest.approx({"exact_match": 1.0, "length": 1.8})
+    assert components[1] == {"exact_match": 1.0}
+
+
+def test_unknown_recipe_lists_builtins():
+    with pytest.raises(ConfigError, match="unknown reward recipe 'exactmatch'; built-ins: answer_format, exact_match"):
+        resolve_recipe("exactmatch")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.mod'"):
+        resolve_recipe("no_such_pkg.mod:fn")
+
+
+def test_recipe_returning_wrong_count_is_named():
+    cfg = RewardConfig(default=[RecipeSpec(recipe="reward_recipes.format:answer_tag_format")])
+    mix = RewardMix(cfg)
+    mix.default[0] = (mix.default[0][0], lambda completions, samples: [1.0])
+    with pytest.raises(RuntimeError, match="returned 1 scores for 2 completions"):
+        mix.score(["a", "b"], [{"data_source": "x"}] * 2)

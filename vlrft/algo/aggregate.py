@@ -1,0 +1,38 @@
+"""Loss aggregation with explicit global normalisers (ALGORITHMS.md, "Loss aggregation").
+
+A micro-batch's loss is divided by a normaliser counted over the *whole* optimizer step (all
+micro-batches, all ranks), so the step's gradient does not depend on how it was split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def normaliser_counts(mask: torch.Tensor) -> torch.Tensor:
+    """[valid tokens, sequences with any valid token... counted as all rows] of one micro-batch.
+
+    Returns a float tensor [2]: (sum of mask, number of sequences). Summed over micro-batches
+    and ranks it gives the global denominators.
+    """
+    return torch.stack([mask.sum().float(), torch.tensor(float(mask.shape[0]))])
+
+
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float, max_new_tokens: int
+) -> torch.Tensor:
+    """This micro-batch's share of the step loss. loss, mask: [B, R]; totals are global."""
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / max(total_tokens, 1.0)
+    per_seq_sum = (loss * mask).sum(-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        # An empty sequence contributes 0 (clamp avoids 0/0 -> NaN).
+        return (per_seq_sum / mask.sum(-1).clamp(min=1.0)).sum() / max(total_seqs, 1.0)
+    if mode == "seq-mean-token-sum":
+        return per_seq_sum.sum() / max(total_seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq_sum.sum() / (max(total_seqs, 1.0) * max_new_tokens)
+    raise ValueError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(LOSS_AGG_MODES)}")

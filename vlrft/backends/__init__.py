@@ -1,0 +1,5 @@
+"""Training backends behind the TrainBackend protocol."""
+
+from vlrft.backends.base import TrainBackend
+
+__all__ = ["TrainBackend"]

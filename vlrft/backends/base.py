@@ -1,0 +1,25 @@
+"""The training-backend protocol: forward, accumulate, step, hand out full weights, save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+
+class TrainBackend(Protocol):
+    model: torch.nn.Module  # call it for forwards; it may be a sharding wrapper
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Accumulate gradients of `loss` (used as given, never rescaled); `boundary` marks the
+        last micro-batch of an optimizer step."""
+
+    def step(self) -> float:
+        """Apply the accumulated update; returns the global gradient norm before clipping."""
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full unsharded tensor) of every parameter; collective under sharding."""
+
+    def save_hf(self, out_dir: Path) -> None:
+        """Write an HF checkpoint of the policy (collective; rank 0 writes)."""

@@ -1,0 +1,1 @@
+"""Prompt datasets, prompt encoding and the rank-aware sampler."""

@@ -1,0 +1,89 @@
+"""Prompt datasets in the canonical row schema (DESIGN.md, "Conventions").
+
+A row is {"id", "messages", "answer", "data_source", "meta"}; message content is a string or
+a list of parts {"type": "text", "text"} / {"type": "image", "image": path}. Image paths are
+relative to the dataset file and are resolved (and checked to exist) at load time, so a
+missing file fails before training starts, naming the row and the path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A user-caused data problem; the message is one line naming the file, row and field."""
+
+
+REQUIRED_FIELDS = ("messages", "answer")
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Read and validate a JSONL prompt file; image paths become absolute."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg})") from None
+            rows.append(_validate_row(row, path, line_no))
+    if not rows:
+        raise DataError(f"dataset file {path} has no rows")
+    return rows
+
+
+def _validate_row(row: dict, path: Path, line_no: int) -> dict:
+    where = f"{path}:{line_no} (row id {row.get('id', '?')!r})" if isinstance(row, dict) else f"{path}:{line_no}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object")
+    for name in REQUIRED_FIELDS:
+        if name not in row:
+            raise DataError(f"{where}: missing required field '{name}'")
+    if not isinstance(row["messages"], list) or not row["messages"]:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
+    row = dict(row)
+    row.setdefault("id", f"{path.stem}-{line_no}")
+    row.setdefault("data_source", "default")
+    row.setdefault("meta", {})
+    row["answer"] = str(row["answer"])
+    row["messages"] = [_resolve_message(m, path.parent, where) for m in row["messages"]]
+    return row
+
+
+def _resolve_message(message: dict, base: Path, where: str) -> dict:
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        raise DataError(f"{where}: each message needs 'role' and 'content'")
+    content = message["content"]
+    if isinstance(content, str):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            image = Path(part.get("image", ""))
+            image = image if image.is_absolute() else base / image
+            if not image.is_file():
+                raise DataError(f"{where}: image file not found: {image}")
+            part = {**part, "image": str(image)}
+        elif kind != "text":
+            raise DataError(f"{where}: content part type must be 'text' or 'image', got {kind!r}")
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def image_paths(row: dict) -> list[str]:
+    """Image paths of a row in the order they appear in its messages."""
+    return [
+        part["image"]
+        for message in row["messages"]
+        if not isinstance(message["content"], str)
+        for part in message["content"]
+        if part["type"] == "image"
+    ]

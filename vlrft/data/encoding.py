@@ -1,0 +1,91 @@
+"""Prompt encoding: chat messages (with image parts) -> chat template -> token ids + pixel inputs.
+
+Only this module and the model loader know the model family's conventions. Images are loaded
+with PIL (or qwen-vl-utils where it imports) and turned into `pixel_values`/`image_grid_thw`
+by the checkpoint's own HF image processor, which applies the min/max-pixel resize rule. The
+tokenizer + image processor are used directly (not an AutoProcessor) because processor
+classes that insist on a video processor need torchvision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+from transformers import AutoImageProcessor, AutoTokenizer
+
+from vlrft.data.dataset import DataError, image_paths
+from vlrft.types import Prompt
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def _load_image_pil(path: str) -> Image.Image:
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+try:  # qwen-vl-utils imports torchvision at import time; use it only where that works.
+    from qwen_vl_utils import fetch_image as _qwen_fetch_image
+except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+    _qwen_fetch_image = None
+
+
+class PromptEncoder:
+    def __init__(self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        has_vision = (Path(model_path) / "preprocessor_config.json").is_file()
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path) if has_vision else None
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def load_image(self, path: str) -> Image.Image:
+        if _qwen_fetch_image is not None:
+            return _qwen_fetch_image({"image": path, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
+        return _load_image_pil(path)
+
+    def encode(self, row: dict, index: int) -> Prompt:
+        where = f"row id {row['id']!r}"
+        text = self.tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        paths = image_paths(row)
+        images, mm_inputs = [], {}
+        if paths:
+            if self.image_processor is None:
+                raise DataError(f"{where} has images but the model checkpoint has no image processor")
+            for path in paths:
+                try:
+                    images.append(self.load_image(path))
+                except (OSError, UnidentifiedImageError) as err:
+                    raise DataError(f"{where}: cannot read image {path} ({err})") from None
+            size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+            mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
+        expanded = self._expand_image_pads(text, mm_inputs, where, len(paths))
+        ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_prompt_tokens:
+            raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
+        return Prompt(
+            id=str(row["id"]),
+            data_source=row["data_source"],
+            answer=row["answer"],
+            meta=row["meta"],
+            prompt_text=text,
+            prompt_ids=ids,
+            images=images,
+            mm_inputs=mm_inputs,
+            index=index,
+        )
+
+    def _expand_image_pads(self, text: str, mm_inputs: dict, where: str, n_images: int) -> str:
+        """Replace each image's single pad token with one pad per merged patch."""
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) - 1 != n_images:
+            raise DataError(f"{where}: chat template produced {len(pieces) - 1} image slots for {n_images} images")
+        if not n_images:
+            return text
+        merge = self.image_processor.merge_size**2
+        counts = [int(thw.prod()) // merge for thw in mm_inputs["image_grid_thw"]]
+        out = pieces[0]
+        for count, piece in zip(counts, pieces[1:]):
+            out += IMAGE_PAD * count + piece
+        return out

@@ -1,0 +1,81 @@
+"""HF `generate` rollout engine: the CPU default, with its own inference copy of the weights."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from transformers import GenerationConfig
+
+from vlrft.engines.base import SamplingParams
+from vlrft.experience.collate import concat_mm_inputs
+from vlrft.models.loader import load_model
+from vlrft.types import Prompt, Rollout
+
+
+class HFEngine:
+    def __init__(self, model_path: str, tokenizer, stop_ids: list[int], banned_ids: list[int], max_batch: int = 64):
+        # A separate copy: the trainer's (possibly ZeRO-3-sharded) module never serves generation.
+        self.model = load_model(model_path).eval()
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.banned_ids = banned_ids
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+        self.max_batch = max_batch  # sequences per generate call (bounds memory)
+
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        # Built explicitly so no checkpoint default (top_k=50, repetition penalty, ...) changes
+        # the sampling distribution that the trainer's logprobs assume.
+        sample = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        return GenerationConfig(
+            do_sample=not params.greedy,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            suppress_tokens=self.banned_ids or None,
+            **sample,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        expanded = [p for p in prompts for _ in range(params.n)]
+        rollouts = []
+        for start in range(0, len(expanded), self.max_batch):
+            rollouts += self._generate_batch(expanded[start : start + self.max_batch], params)
+        return rollouts
+
+    def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        width = max(len(p.prompt_ids) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+        attention_mask = torch.zeros_like(input_ids)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
+            attention_mask[row, width - len(p.prompt_ids) :] = 1
+        mm = concat_mm_inputs([p.mm_inputs for p in prompts])
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(params),
+            **mm,
+        )  # [B, P + new]
+        return [self._to_rollout(p, out[row, width:].tolist()) for row, p in enumerate(prompts)]
+
+    def _to_rollout(self, prompt: Prompt, new_ids: list[int]) -> Rollout:
+        stop = next((i for i, t in enumerate(new_ids) if t in self.stop_ids), None)
+        response = new_ids if stop is None else new_ids[: stop + 1]
+        return Rollout(
+            prompt=prompt,
+            group_id=prompt.index,
+            response_ids=response,
+            response_text=self.tokenizer.decode(response, skip_special_tokens=True),
+            truncated=stop is None,
+        )
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight sync: the engine model has no parameter '{name}'")
+            params[name].copy_(tensor)
+

@@ -1,0 +1,1 @@
+"""Experience making (rollouts -> scored, advantage-bearing samples) and the replay buffer."""

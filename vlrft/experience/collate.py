@@ -1,0 +1,57 @@
+"""Collation of prompt+response sequences into right-padded micro-batches with pixel inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.types import MicroBatch, Rollout
+
+
+def concat_mm_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate samples' pixel inputs along dim 0 in sample order (the model's expectation)."""
+    keys = {k for item in items for k in item}
+    return {k: torch.cat([item[k] for item in items if k in item], dim=0) for k in sorted(keys)}
+
+
+def rollout_of(sample) -> Rollout:
+    return sample if isinstance(sample, Rollout) else sample.rollout
+
+
+def sequence_length(sample) -> int:
+    r = rollout_of(sample)
+    return len(r.prompt.prompt_ids) + len(r.response_ids)
+
+
+def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
+    """Right-pad prompt+response sequences; response_mask marks the scored response tokens."""
+    width = max(sequence_length(s) for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)  # [B, L]
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids)
+    for row, sample in enumerate(samples):
+        r = rollout_of(sample)
+        seq = r.prompt.prompt_ids + r.response_ids
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+        response_mask[row, len(r.prompt.prompt_ids) : len(seq)] = 1
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        mm_inputs=concat_mm_inputs([rollout_of(s).prompt.mm_inputs for s in samples]),
+        samples=list(samples),
+        dummy=dummy,
+    )
+
+
+def scatter_responses(batch: MicroBatch, values: list[torch.Tensor]) -> torch.Tensor:
+    """Place per-sample response tensors ([R_i] each) at their response positions. [B, L]."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    out[batch.response_mask.bool()] = torch.cat(values).float() if values else out[:0, 0]
+    return out
+
+
+def gather_responses(batch: MicroBatch, per_token: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of scatter_responses: each sample's response-token values. list of [R_i]."""
+    mask = batch.response_mask.bool()
+    return [per_token[row][mask[row]] for row in range(per_token.shape[0])]

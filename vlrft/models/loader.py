@@ -1,0 +1,44 @@
+"""Load policy / reference models from local HF checkpoints (from_pretrained, never a hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+# Tokens that only the prompt encoder may place: a generated one would break the next forward
+# ("image features and image tokens do not match"), so engines can never sample them.
+VISION_SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+
+
+def is_vision_language(model_path: str) -> bool:
+    return hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+
+
+def load_model(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config."""
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"no HF checkpoint (config.json) in {model_path}")
+    cls = AutoModelForImageTextToText if is_vision_language(model_path) else AutoModelForCausalLM
+    model = cls.from_pretrained(model_path, dtype=dtype)
+    model.config.use_cache = False  # training forwards never want a KV cache
+    return model
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder module (by attribute, not by parameter-name prefix), or None."""
+    inner = getattr(model, "model", model)
+    return getattr(inner, "visual", None) or getattr(model, "visual", None)
+
+
+def banned_token_ids(tokenizer) -> list[int]:
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab]
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """End-of-turn and end-of-text tokens: a response ends at the first of these."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    return sorted(i for i in ids if i is not None)

@@ -1,0 +1,1 @@
+"""The SPMD training loop and its steps."""

@@ -1,0 +1,61 @@
+"""The few data types the loop passes around."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One encoded dataset row, ready for an engine and for the trainer's forward."""
+
+    id: str
+    data_source: str
+    answer: str
+    meta: dict
+    prompt_text: str  # chat-templated text, with one <|image_pad|> per image (engines' input)
+    prompt_ids: list[int]  # token ids with image pads expanded to the image's token count
+    images: list = field(default_factory=list)  # PIL images after resizing
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw
+    index: int = -1  # position in the run's prompt stream (unique); the group id of its responses
+
+
+@dataclass
+class Rollout:
+    """One sampled response to a prompt."""
+
+    prompt: Prompt
+    group_id: int  # explicit group: all responses of one prompt share it
+    response_ids: list[int]  # includes the stop token when the response finished
+    response_text: str  # decoded without special tokens
+    truncated: bool  # no stop token within max_new_tokens
+
+
+@dataclass
+class Experience:
+    """A scored rollout with everything the policy update needs; per-token tensors are [R]."""
+
+    rollout: Rollout
+    reward: float
+    reward_components: dict[str, Any]
+    old_logprobs: torch.Tensor  # [R] rollout-time policy logprob of each response token
+    ref_logprobs: torch.Tensor | None  # [R] reference logprobs (None when KL is off)
+    advantages: torch.Tensor  # [R]
+
+
+@dataclass
+class MicroBatch:
+    """Collated sequences for one forward pass (right-padded; packing comes later)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L] 1 on response tokens (scored positions)
+    mm_inputs: dict[str, torch.Tensor]  # samples' pixel inputs concatenated in sample order
+    samples: list[Any]  # the Experience (or Rollout) objects, in row order
+    dummy: bool = False  # a repeat that only keeps ranks in lock-step; contributes nothing
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.mm_inputs}

@@ -15,6 +15,9 @@ from typing import Any
 import yaml
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming the culprit."""
 
@@ -65,6 +68,7 @@ class TrainConfig:
     total_steps: int = 50  # RL steps (one rollout batch each)
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-4
+    lr_schedule: str = "constant"  # constant | cosine (decays to 10% of lr over all optimizer steps)
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     micro_batch_tokens: int = 4096  # token budget of one forward micro-batch
@@ -225,6 +229,8 @@ def validate(cfg: Config) -> None:
             f"algo.advantage '{cfg.algo.advantage}' compares responses within a group: "
             "rollout.n_samples_per_prompt must be >= 2"
         )
+    if cfg.train.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'train.zero_stage' must be 0, 1, 2 or 3, got {cfg.train.zero_stage}")
     positive = {

@@ -20,6 +20,9 @@ class Prompt:
     prompt_ids: list[int]  # token ids with image pads expanded to the image's token count
     images: list = field(default_factory=list)  # PIL images after resizing
     mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw
+    # Per prompt token: 0 text, 1 image (Qwen-VL's mm_token_type_ids). Empty for text-only
+    # models. The model computes 3-D M-RoPE positions only when it receives these.
+    mm_token_types: list[int] = field(default_factory=list)
     index: int = -1  # position in the run's prompt stream (unique); the group id of its responses
 
 
@@ -53,7 +56,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
     response_mask: torch.Tensor  # [B, L] 1 on response tokens (scored positions)
-    mm_inputs: dict[str, torch.Tensor]  # samples' pixel inputs concatenated in sample order
+    mm_inputs: dict[str, torch.Tensor]  # pixel inputs concatenated in sample order; mm_token_type_ids [B, L]
     samples: list[Any]  # the Experience (or Rollout) objects, in row order
     dummy: bool = False  # a repeat that only keeps ranks in lock-step; contributes nothing
 

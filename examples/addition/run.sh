@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train single-digit addition with GRPO on 2 CPU ranks; builds the tiny text model and data if missing.
+# Train small addition (operands 0..4) with GRPO on 2 CPU ranks; builds the tiny text model and data if missing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)

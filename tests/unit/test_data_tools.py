@@ -11,6 +11,9 @@ from PIL import Image
 
 from data_tools import make_tiny_model as mtm
 from data_tools import synth_shapes as ss
+from data_tools import tiny_tokenizer as tt
+from data_tools import tiny_warmup as tw
+from vlrft.data.encoding import PromptEncoder
 
 
 def _rows(path: Path) -> list[dict]:
@@ -102,7 +105,7 @@ def test_synth_cli(tmp_path):
 
 def test_tokenizer_tokens_are_compact():
     tok = mtm.build_tokenizer()
-    ids = mtm.special_token_ids(tok)
+    ids = tt.special_token_ids(tok)
     assert len(set(ids.values())) == len(ids)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert 600 <= len(tok) <= 1000
@@ -113,7 +116,8 @@ def test_tokenizer_tokens_are_compact():
 
 def test_chat_template():
     tok = mtm.build_tokenizer()
-    text = tok.apply_chat_template(mtm.colour_messages(), add_generation_prompt=True, tokenize=False)
+    messages = ss.colour_row("r0", "images/x.png", "red", "circle")["messages"]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
         + ss.COLOUR_QUESTION
@@ -136,7 +140,7 @@ def text_dir(tmp_path_factory):
     return mtm.build_text_model(tmp_path_factory.mktemp("tiny_text"), warmup_steps=0)
 
 
-def test_vl_checkpoint_reloads_and_runs(vl_dir):
+def test_vl_checkpoint_reloads_and_runs(vl_dir, tmp_path):
     from transformers import (
         AutoImageProcessor,
         AutoModelForImageTextToText,
@@ -152,7 +156,7 @@ def test_vl_checkpoint_reloads_and_runs(vl_dir):
 
     # Vision token ids in the config are the tokenizer's.
     cfg = model.config
-    ids = {t: tok.convert_tokens_to_ids(t) for t in mtm.SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tt.SPECIAL_TOKENS}
     assert cfg.image_token_id == ids["<|image_pad|>"]
     assert cfg.video_token_id == ids["<|video_pad|>"]
     assert cfg.vision_start_token_id == ids["<|vision_start|>"]
@@ -162,11 +166,15 @@ def test_vl_checkpoint_reloads_and_runs(vl_dir):
     assert model.generation_config.pad_token_id == ids["<|endoftext|>"]
 
     # A 56x56 image -> grid (1, 4, 4) -> 4 image tokens after the 2x2 merge.
-    images = [ss.render_shape(c, "circle", np.random.default_rng(i)) for i, c in enumerate(ss.COLOURS[:2])]
-    inputs = mtm.vl_prompt_inputs(tok, ip, [mtm.colour_messages()] * 2, images)
+    assert ip.size == {"shortest_edge": mtm.MIN_PIXELS, "longest_edge": mtm.MAX_PIXELS}  # = the encoder's
+    encoder = PromptEncoder(str(vl_dir), mtm.MIN_PIXELS, mtm.MAX_PIXELS, mtm.MAX_PROMPT_TOKENS)
+    prompts = tw.colour_prompts(encoder, np.random.default_rng(0), 2, tmp_path)
+    inputs = tw.sft_batch(tok, prompts)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
     assert inputs["pixel_values"].shape == (32, 3 * 2 * 14 * 14)
-    assert (inputs["input_ids"] == ids["<|image_pad|>"]).sum(1).tolist() == [4, 4]
+    is_image = inputs["input_ids"] == ids["<|image_pad|>"]
+    assert is_image.sum(1).tolist() == [4, 4]
+    assert torch.equal(inputs["mm_token_type_ids"], is_image.long())  # M-RoPE positions
 
     with torch.no_grad():
         out = model(**inputs)
@@ -182,7 +190,8 @@ def test_text_checkpoint_reloads(text_dir):
     assert isinstance(model, Qwen2ForCausalLM)
     assert model.config.vocab_size == len(tok) and model.config.hidden_size == 128
     assert not (Path(text_dir) / "preprocessor_config.json").exists()
-    text = tok.apply_chat_template(mtm.addition_messages(3, 5), add_generation_prompt=True, tokenize=False)
+    messages = ss.addition_row("r0", 3, 5)["messages"]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     enc = tok(text, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=3, do_sample=False)
@@ -190,7 +199,42 @@ def test_text_checkpoint_reloads(text_dir):
 
 
 def test_parse_answer():
-    assert mtm.parse_answer("<answer>red</answer>") == "red"
-    assert mtm.parse_answer(" <answer>12</answer>\n") == "12"
-    assert mtm.parse_answer("<answer></answer>") is None
-    assert mtm.parse_answer("red") is None
+    assert tw.parse_answer("<answer>red</answer>") == "red"
+    assert tw.parse_answer(" <answer>12</answer>\n") == "12"
+    assert tw.parse_answer("<answer></answer>") is None
+    assert tw.parse_answer("red") is None
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def test_sft_batch_labels_only_targets(text_dir):
+    encoder = PromptEncoder(str(text_dir), mtm.MIN_PIXELS, mtm.MAX_PIXELS, mtm.MAX_PROMPT_TOKENS)
+    tok = encoder.tokenizer
+    prompts = tw.addition_prompts(encoder, np.random.default_rng(0), 3)
+    targets = [ss.format_answer(1), ss.format_answer(12), ss.format_answer(3)]
+    batch = tw.sft_batch(tok, prompts, targets)
+    assert "mm_token_type_ids" not in batch and "pixel_values" not in batch  # text-only checkpoint
+    for row, (prompt, target) in enumerate(zip(prompts, targets)):
+        n = len(prompt.prompt_ids)
+        labels = batch["labels"][row]
+        assert batch["input_ids"][row, :n].tolist() == prompt.prompt_ids
+        assert (labels[:n] == -100).all()
+        assert tok.decode(labels[labels != -100].tolist()) == target + "<|im_end|>"
+        assert batch["attention_mask"][row].sum() == n + int((labels != -100).sum())
+
+
+def test_vl_warmup_runs_and_reports(vl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir)
+    encoder = PromptEncoder(str(vl_dir), mtm.MIN_PIXELS, mtm.MAX_PIXELS, mtm.MAX_PROMPT_TOKENS)
+    try:
+        out = tw.run_warmup(model, encoder, "vl", steps=2, seed=0, batch_size=4, lr=3e-3, n_eval=8)
+    finally:
+        torch.set_flush_denormal(False)  # warmup() turns it on process-wide; restore the default
+    assert np.isfinite(out["final_loss"])
+    check = out["check"]
+    assert check["sampled_n"] == 8 and set(check["sampled_distribution"]) == set(ss.COLOURS)
+    assert sum(check["mean_probs"].values()) == pytest.approx(1.0, abs=1e-5)

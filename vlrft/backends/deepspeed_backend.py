@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +12,17 @@ import torch.distributed as dist
 
 
 class DeepSpeedBackend:
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float, grad_clip: float, zero_stage: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        grad_clip: float,
+        zero_stage: int,
+        lr_schedule: str = "constant",
+        total_optimizer_steps: int = 1,
+    ):
         config = {
             "train_micro_batch_size_per_gpu": 1,  # unused: vlrft sizes micro-batches by tokens
             "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly
@@ -22,7 +33,11 @@ class DeepSpeedBackend:
         }
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        factor = lr_factor(lr_schedule, total_optimizer_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
         self.zero_stage = zero_stage
 
     @property
@@ -39,8 +54,12 @@ class DeepSpeedBackend:
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)
 
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
     def step(self) -> float:
-        self.engine.step()
+        self.engine.step()  # also advances the lr scheduler
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
@@ -61,3 +80,13 @@ class DeepSpeedBackend:
         if dist.get_rank() == 0:
             self.module.save_pretrained(out_dir, state_dict=state)
         dist.barrier()
+
+
+def lr_factor(schedule: str, total_steps: int):
+    """Multiplier of the base lr after `step` optimizer steps."""
+    if schedule == "constant":
+        return lambda step: 1.0
+    if schedule == "cosine":
+        # Half a cosine from 1 to 0.1: the last updates are small, which steadies the final policy.
+        return lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / max(total_steps - 1, 1), 1.0)))
+    raise ValueError(f"unknown lr schedule '{schedule}'")

@@ -62,6 +62,8 @@ class PromptEncoder:
             mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
         expanded = self._expand_image_pads(text, mm_inputs, where, len(paths))
         ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        image_pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        token_types = [int(t == image_pad) for t in ids] if self.image_processor is not None else []
         if len(ids) > self.max_prompt_tokens:
             raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
         return Prompt(
@@ -73,6 +75,7 @@ class PromptEncoder:
             prompt_ids=ids,
             images=images,
             mm_inputs=mm_inputs,
+            mm_token_types=token_types,
             index=index,
         )
 

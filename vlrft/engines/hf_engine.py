@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from vlrft.engines.base import SamplingParams
-from vlrft.experience.collate import concat_mm_inputs
+from vlrft.experience.collate import concat_mm_inputs, mm_token_type_ids
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
 
@@ -51,7 +51,7 @@ class HFEngine:
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[row, width - len(p.prompt_ids) :] = 1
-        mm = concat_mm_inputs([p.mm_inputs for p in prompts])
+        mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=True)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,

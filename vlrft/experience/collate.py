@@ -22,6 +22,20 @@ def sequence_length(sample) -> int:
     return len(r.prompt.prompt_ids) + len(r.response_ids)
 
 
+def mm_token_type_ids(prompts: list, width: int, left_pad: bool) -> dict[str, torch.Tensor]:
+    """Qwen-VL's per-token modality ids ([B, L]; responses and padding are text = 0), or {}.
+
+    Without them the model silently falls back to 1-D positions instead of M-RoPE.
+    """
+    if not any(p.mm_token_types for p in prompts):
+        return {}
+    types = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, L]
+    for row, p in enumerate(prompts):
+        start = width - len(p.prompt_ids) if left_pad else 0
+        types[row, start : start + len(p.mm_token_types)] = torch.tensor(p.mm_token_types, dtype=torch.long)
+    return {"mm_token_type_ids": types}
+
+
 def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
     """Right-pad prompt+response sequences; response_mask marks the scored response tokens."""
     width = max(sequence_length(s) for s in samples)
@@ -34,11 +48,12 @@ def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
         input_ids[row, : len(seq)] = torch.tensor(seq)
         attention_mask[row, : len(seq)] = 1
         response_mask[row, len(r.prompt.prompt_ids) : len(seq)] = 1
+    prompts = [rollout_of(s).prompt for s in samples]
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
-        mm_inputs=concat_mm_inputs([rollout_of(s).prompt.mm_inputs for s in samples]),
+        mm_inputs=concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=False),
         samples=list(samples),
         dummy=dummy,
     )

@@ -32,8 +32,11 @@ class SPMDTrainer:
     """One trainer for text and vision-language policies: modality is data, not a subclass."""
 
     def __init__(self, cfg: Config):
+        from transformers.utils import logging as hf_logging
+
         from vlrft.backends.deepspeed_backend import DeepSpeedBackend  # heavy import, only here
 
+        hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
         check_world_size(cfg, self.world_size)
@@ -54,6 +57,8 @@ class SPMDTrainer:
             weight_decay=cfg.train.weight_decay,
             grad_clip=cfg.train.grad_clip,
             zero_stage=cfg.train.zero_stage,
+            lr_schedule=cfg.train.lr_schedule,
+            total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
         )
         self.engine = ENGINES.get(cfg.rollout.engine)(
             model_path=cfg.model.path,
@@ -100,18 +105,7 @@ class SPMDTrainer:
         cfg = self.cfg
         self._maybe_evaluate(0)
         for step in range(1, cfg.train.total_steps + 1):
-            start = time.perf_counter()
-            prompts = [self.encoder.encode(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
-            experiences = self.maker.make(prompts)
-            made = time.perf_counter()
-            self.buffer.clear()
-            self.buffer.add(experiences)
-            metrics = self._rollout_metrics(experiences)
-            metrics |= policy_update(self.backend, self.buffer, cfg, self.world_size)
-            self.engine.update_weights(self.backend.named_full_parameters())
-            metrics["perf/experience_seconds"] = made - start
-            metrics["perf/step_seconds"] = time.perf_counter() - start
-            self.logger.log(step, metrics)
+            self.logger.log(step, self.train_step())
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
                 self._maybe_evaluate(step)
         self.backend.save_hf(self.out_dir / "final")
@@ -121,6 +115,22 @@ class SPMDTrainer:
                 self.encoder.image_processor.save_pretrained(self.out_dir / "final")
         self.logger.close()
         return self.eval_history
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step: sample, generate and score, update, sync the engine. Returns metrics."""
+        start = time.perf_counter()
+        prompts = [self.encoder.encode(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
+        experiences = self.maker.make(prompts)
+        made = time.perf_counter()
+        self.buffer.clear()
+        self.buffer.add(experiences)
+        metrics = self._rollout_metrics(experiences)
+        metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
+        metrics |= policy_update(self.backend, self.buffer, self.cfg, self.world_size)
+        self.engine.update_weights(self.backend.named_full_parameters())
+        metrics["perf/experience_seconds"] = made - start
+        metrics["perf/step_seconds"] = time.perf_counter() - start
+        return metrics
 
     def _maybe_evaluate(self, step: int) -> None:
         if not self.eval_sources or not self.cfg.eval.every_steps:

@@ -12,10 +12,10 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 def normaliser_counts(mask: torch.Tensor) -> torch.Tensor:
-    """[valid tokens, sequences with any valid token... counted as all rows] of one micro-batch.
+    """(valid tokens, sequences) of one micro-batch as a float tensor [2].
 
-    Returns a float tensor [2]: (sum of mask, number of sequences). Summed over micro-batches
-    and ranks it gives the global denominators.
+    Summed over the micro-batches and ranks of an optimizer step, it gives the global
+    denominators that `aggregate` divides by.
     """
     return torch.stack([mask.sum().float(), torch.tensor(float(mask.shape[0]))])
 

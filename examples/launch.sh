@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Shared launcher of the examples: build the tiny model and data set if missing, then run
+# `vlrft train` under torchrun on CPU (gloo). Usage:
+#   examples/launch.sh MODEL_KIND(vl|text) TASK(colors|addition) CONFIG [overrides...]
+# NPROC (default 2) sets the number of ranks.
+set -euo pipefail
+kind=$1 task=$2 config=$(cd "$(dirname "$3")" && pwd)/$(basename "$3")
+shift 3
+cd "$(dirname "$0")/.."
+model=artifacts/tiny-$kind data=artifacts/$task
+[ -f "$model/config.json" ] || python -m data_tools.make_tiny_model --kind "$kind" --out "$model"
+[ -f "$data/train.jsonl" ] || python -m data_tools.synth_shapes --task "$task" --out "$data"
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+torchrun --nproc_per_node "${NPROC:-2}" -m vlrft.cli train "$config" "$@"
+echo "training wall time: $(( $(date +%s) - start )) s"

@@ -52,3 +52,10 @@ def test_recipe_returning_wrong_count_is_named():
     mix.default[0] = (mix.default[0][0], lambda completions, samples: [1.0])
     with pytest.raises(RuntimeError, match="returned 1 scores for 2 completions"):
         mix.score(["a", "b"], [{"data_source": "x"}] * 2)
+
+
+def test_accuracy_uses_the_configured_recipe():
+    samples = [{"answer": "red", "data_source": "x"}]
+    strict = RewardMix(RewardConfig(accuracy_recipe="answer_format"))
+    assert strict.accuracy(["red"], samples) == [0.0]  # right answer, wrong format
+    assert RewardMix(RewardConfig()).accuracy(["red"], samples) == [1.0]  # default: exact_match

@@ -55,10 +55,12 @@ class KLConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"  # advantage estimator name
-    policy_loss: str = "ppo"  # policy loss name
+    advantage: str = "grpo"  # advantage estimator: grpo | rloo
+    scale_by_std: bool = True  # grpo only; false = Dr.GRPO (r - group mean)
+    policy_loss: str = "ppo"  # policy loss: ppo | gspo
     clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
+    clip_eps_high: float = 0.2  # > clip_eps_low = DAPO's clip-higher
+    dual_clip_c: float = 0.0  # dual-clip bound for A < 0 (0 = off, else > 1)
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
 
@@ -229,6 +231,10 @@ def validate(cfg: Config) -> None:
             f"algo.advantage '{cfg.algo.advantage}' compares responses within a group: "
             "rollout.n_samples_per_prompt must be >= 2"
         )
+    if cfg.algo.dual_clip_c != 0 and cfg.algo.dual_clip_c <= 1:
+        raise ConfigError(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
+    if not cfg.algo.scale_by_std and cfg.algo.advantage != "grpo":
+        raise ConfigError(f"config key 'algo.scale_by_std: false' applies to grpo only, not '{cfg.algo.advantage}'")
     if cfg.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):

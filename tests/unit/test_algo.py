@@ -5,9 +5,9 @@ import math
 import torch
 
 from vlrft.algo import aggregate
-from vlrft.algo.advantages import grpo_advantages
+from vlrft.algo.advantages import grpo_advantages, rloo_advantages
 from vlrft.algo.kl import kl_abs, kl_k1, kl_k2, kl_k3
-from vlrft.algo.losses import ppo_clip_loss
+from vlrft.algo.losses import gspo_loss, ppo_clip_loss
 
 
 def test_grpo_uses_explicit_groups_and_bessel_std():
@@ -32,14 +32,14 @@ def test_ppo_clip_loss_by_hand():
     logp = torch.tensor([0.5, -0.5, 0.0])
     old = torch.zeros(3)
     adv = torch.tensor([1.0, -1.0, 2.0])
-    loss, clipped = ppo_clip_loss(logp, old, adv, 0.2, 0.2)
+    loss, clipped = ppo_clip_loss(logp, old, adv, torch.ones(3), 0.2, 0.2)
     # token 0: -min(1.6487*1, 1.2*1) = -1.2 ; token 1: -min(-0.6065, -0.8) = 0.8 ; token 2: -2
     torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, -2.0]))
     torch.testing.assert_close(clipped, torch.tensor([1.0, 1.0, 0.0]))
 
 
 def test_ppo_clip_higher_uses_its_own_upper_bound():
-    loss, _ = ppo_clip_loss(torch.tensor([0.5]), torch.zeros(1), torch.ones(1), 0.2, 0.28)
+    loss, _ = ppo_clip_loss(torch.tensor([0.5]), torch.zeros(1), torch.ones(1), torch.ones(1), 0.2, 0.28)
     torch.testing.assert_close(loss, torch.tensor([-1.28]))
 
 
@@ -82,3 +82,54 @@ def test_split_micro_batches_sum_to_whole_with_global_normaliser():
         whole = aggregate(loss, mask, mode, tokens, seqs, 5)
         parts = sum(aggregate(loss[i : i + 1], mask[i : i + 1], mode, tokens, seqs, 5) for i in range(4))
         torch.testing.assert_close(parts, whole)
+
+
+def test_rloo_leave_one_out_baseline():
+    # group 0: rewards 1, 0, 0 -> A_0 = 1 - 0 = 1 ; A_1 = 0 - (1 + 0)/2 = -0.5 ; A_2 = -0.5
+    # group 5: rewards 2, 4 -> A = 2 - 4 = -2 and 4 - 2 = 2
+    rewards = torch.tensor([1.0, 0.0, 2.0, 0.0, 4.0])
+    groups = torch.tensor([0, 0, 5, 0, 5])
+    torch.testing.assert_close(rloo_advantages(rewards, groups), torch.tensor([1.0, -0.5, -2.0, -0.5, 2.0]))
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    # ratio e^1 = 2.718, A = -1: PPO loss = -min(-2.718, -1.2) = 2.718 ; dual clip c = 2 caps it at 2
+    # A = +1 with the same ratio is untouched: -min(2.718, 1.2) = -1.2
+    logp, old = torch.tensor([1.0, 1.0]), torch.zeros(2)
+    adv = torch.tensor([-1.0, 1.0])
+    plain, _ = ppo_clip_loss(logp, old, adv, torch.ones(2), 0.2, 0.2)
+    dual, hit = ppo_clip_loss(logp, old, adv, torch.ones(2), 0.2, 0.2, dual_clip_c=2.0)
+    torch.testing.assert_close(plain, torch.tensor([math.e, -1.2]))
+    torch.testing.assert_close(dual, torch.tensor([2.0, -1.2]))
+    torch.testing.assert_close(hit, torch.tensor([1.0, 1.0]))
+
+
+def test_gspo_with_identical_token_deltas_equals_ppo_on_the_sequence():
+    # every token has delta 0.1 -> sequence ratio e^0.1 = 1.105, same as each token's ratio
+    logp = torch.tensor([[0.1, 0.1, 0.1]])
+    old = torch.zeros(1, 3)
+    adv = torch.full((1, 3), 2.0)
+    mask = torch.ones(1, 3)
+    gspo, _ = gspo_loss(logp, old, adv, mask, 0.2, 0.2)
+    ppo, _ = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    torch.testing.assert_close(gspo, ppo)
+    torch.testing.assert_close(gspo, torch.full((1, 3), -2.0 * math.exp(0.1)))
+
+
+def test_gspo_value_and_gradient_follow_the_sequence_ratio():
+    # deltas 0.2 and -0.1 (third token masked): s = exp(0.05) on each valid token;
+    # d loss_t / d logp_t = -s * A (unclipped), and nothing flows through the sequence mean.
+    logp = torch.tensor([[0.2, -0.1, 5.0]], requires_grad=True)
+    old = torch.zeros(1, 3)
+    adv = torch.ones(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = gspo_loss(logp, old, adv, mask, 0.2, 0.2)
+    s = math.exp(0.05)
+    torch.testing.assert_close(loss[0, :2], torch.tensor([-s, -s]))
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s, -s, 0.0]]))
+
+
+def test_empty_sequence_gives_finite_gspo_loss():
+    loss, _ = gspo_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.zeros(1, 3), 0.2, 0.2)
+    assert torch.isfinite(loss).all()

@@ -73,3 +73,12 @@ def test_rollout_prompts_must_divide_over_ranks(tmp_path):
     check_world_size(cfg, 1)
     with pytest.raises(ConfigError, match="divisible by the world size"):
         check_world_size(cfg, 2)
+
+
+def test_invalid_algorithm_combinations_fail_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="'algo.dual_clip_c' must be 0 \\(off\\) or > 1"):
+        load_config(write(tmp_path, BASE), ["algo.dual_clip_c=0.5"])
+    with pytest.raises(ConfigError, match="applies to grpo only, not 'rloo'"):
+        load_config(write(tmp_path, BASE), ["algo.advantage=rloo", "algo.scale_by_std=false"])
+    with pytest.raises(ConfigError, match="'rloo' compares responses within a group"):
+        load_config(write(tmp_path, BASE), ["algo.advantage=rloo", "rollout.n_samples_per_prompt=1"])

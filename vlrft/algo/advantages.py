@@ -8,7 +8,7 @@ from vlrft.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
 # Estimators that compare responses within a group and so need n_samples_per_prompt >= 2.
-GROUP_ESTIMATORS = {"grpo"}
+GROUP_ESTIMATORS = {"grpo", "rloo"}
 
 
 def group_mean_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,3 +30,12 @@ def grpo_advantages(
     mean, std = group_mean_std(rewards, group_ids)
     centred = rewards - mean
     return centred / (std + eps) if scale_by_std else centred
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_g) (leave-one-out baseline). [N]."""
+    mean, _ = group_mean_std(rewards, group_ids)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    size = counts[inverse].to(rewards.dtype)
+    return (rewards - mean) * size / (size - 1).clamp(min=1.0)

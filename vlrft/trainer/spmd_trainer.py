@@ -5,6 +5,7 @@ sample -> generate -> reward -> logprobs -> advantages -> update -> sync -> log/
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -26,6 +27,14 @@ from vlrft.trainer.distributed import all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.update import policy_update
 from vlrft.types import Experience
+
+
+def advantage_estimator(cfg: Config):
+    """The configured estimator with its options bound: (rewards [N], group_ids [N]) -> [N]."""
+    estimator = ADVANTAGES.get(cfg.algo.advantage)
+    if cfg.algo.advantage == "grpo":
+        return functools.partial(estimator, scale_by_std=cfg.algo.scale_by_std)
+    return estimator
 
 
 class SPMDTrainer:
@@ -84,7 +93,7 @@ class SPMDTrainer:
             policy=lambda: self.backend.model,
             reference=reference,
             rewards=self.rewards,
-            advantage_fn=ADVANTAGES.get(cfg.algo.advantage),
+            advantage_fn=advantage_estimator(cfg),
             sampling=sampling,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
             pad_id=self.pad_id,

@@ -31,7 +31,7 @@ def policy_update(backend: TrainBackend, buffer: ReplayBuffer, cfg: Config, worl
             logp = token_logprobs(backend.model, batch, cfg.rollout.temperature)  # [B, L]
             old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])  # [B, L]
             adv = scatter_responses(batch, [e.advantages for e in batch.samples])  # [B, L]
-            pg, clip_hit = policy_loss(logp, old, adv, algo.clip_eps_low, algo.clip_eps_high)
+            pg, clip_hit = policy_loss(logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c)
             token_loss = pg
             kl = torch.zeros_like(pg)
             if algo.kl.coef > 0:

@@ -63,6 +63,9 @@ class AlgoConfig:
     dual_clip_c: float = 0.0  # dual-clip bound for A < 0 (0 = off, else > 1)
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(H)
+    # Keep only the top fraction of tokens by entropy in the policy-gradient term (0 = off).
+    high_entropy_token_ratio: float = 0.0
 
 
 @dataclass
@@ -230,6 +233,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"algo.advantage '{cfg.algo.advantage}' compares responses within a group: "
             "rollout.n_samples_per_prompt must be >= 2"
+        )
+    if not 0 <= cfg.algo.high_entropy_token_ratio <= 1:
+        raise ConfigError(
+            f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {cfg.algo.high_entropy_token_ratio}"
         )
     if cfg.algo.dual_clip_c != 0 and cfg.algo.dual_clip_c <= 1:
         raise ConfigError(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")

@@ -58,6 +58,8 @@ CHANGES = {
     "algo.scale_by_std": "algo.scale_by_std=false",
     "algo.policy_loss": "algo.policy_loss=gspo",
     "algo.dual_clip_c": "algo.dual_clip_c=1.0001",
+    "algo.entropy_coef": "algo.entropy_coef=0.1",
+    "algo.high_entropy_token_ratio": "algo.high_entropy_token_ratio=0.2",
     "algo.kl.coef": "algo.kl.coef=0",
     "algo.kl.estimator": "algo.kl.estimator=k2",
     "train.lr": "train.lr=0.01",
@@ -94,3 +96,10 @@ def test_micro_batch_split_does_not_change_the_update(setup):
     split, split_norm = update_after_one_step(setup[1] + ["train.micro_batch_tokens=1"])
     assert split_norm == pytest.approx(whole_norm, rel=1e-4)
     torch.testing.assert_close(split, whole, rtol=1e-3, atol=1e-5)
+
+
+def test_entropy_mask_of_ratio_one_equals_no_mask(setup):
+    plain, plain_norm = update_after_one_step(setup[1])
+    masked, masked_norm = update_after_one_step(setup[1] + ["algo.high_entropy_token_ratio=1"])
+    assert masked_norm == plain_norm
+    torch.testing.assert_close(masked, plain, rtol=0, atol=0)

@@ -39,3 +39,18 @@ def all_reduce_max_int(value: int) -> int:
     t = torch.tensor([value], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
+    """Concatenate a 1-D tensor of any length from every rank (rank order)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return values
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()]))
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=values.dtype)
+    padded[: values.numel()] = values
+    parts = [torch.zeros(longest, dtype=values.dtype) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])

@@ -42,7 +42,8 @@ def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, 
         "model": {"path": model_path},
         "data": {"train_path": str(data / "train.jsonl"), "eval_path": str(data / "test.jsonl")},
         "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6},
-        "algo": {"kl": {"coef": 0.01}},
+        # The entropy mask gathers token entropies over both ranks: exercised here.
+        "algo": {"kl": {"coef": 0.01}, "high_entropy_token_ratio": 0.5, "entropy_coef": 0.001},
         # weight_decay 0: a parameter can only move if it received a non-zero gradient.
         "train": {"total_steps": 2, "lr": 1e-2, "weight_decay": 0.0, "zero_stage": zero_stage, "micro_batch_tokens": 200},
         "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]},
@@ -58,7 +59,7 @@ def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, 
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["reward/distinct_chars"] > 0 and "reward/exact_match" in r
-        assert r["train/grad_norm"] > 0
+        assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
 
     before, after = load_model(model_path), load_model(str(tmp_path / "run" / "final"))

@@ -7,6 +7,7 @@ import sys
 
 from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import DataError
+from vlrft.rewards.mix import RewardError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                 curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
                 print(f"held-out accuracy by step: {curve}", flush=True)
                 print(f"outputs: {cfg.output.dir} (metrics.jsonl, final/ HF checkpoint)", flush=True)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, RewardError) as err:
         print(f"vlrft: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -63,6 +63,13 @@ class AlgoConfig:
     dual_clip_c: float = 0.0  # dual-clip bound for A < 0 (0 = off, else > 1)
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
+    # Reward transform before advantages: clip((r - reward_bias) * reward_scale, +-reward_clip).
+    reward_bias: float = 0.0
+    reward_scale: float = 1.0
+    reward_clip: float = 0.0  # 0 = no clipping
+    zero_reward_truncated: bool = False  # responses without a stop token get reward 0
+    # Stop with an error after this many consecutive steps whose rewards were all exactly 0.
+    zero_reward_patience: int = 0  # 0 = never
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(H)
     # Keep only the top fraction of tokens by entropy in the policy-gradient term (0 = off).
     high_entropy_token_ratio: float = 0.0
@@ -238,6 +245,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {cfg.algo.high_entropy_token_ratio}"
         )
+    if cfg.algo.reward_clip < 0 or cfg.algo.zero_reward_patience < 0:
+        raise ConfigError("config keys 'algo.reward_clip' and 'algo.zero_reward_patience' must be >= 0")
     if cfg.algo.dual_clip_c != 0 and cfg.algo.dual_clip_c <= 1:
         raise ConfigError(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
     if not cfg.algo.scale_by_std and cfg.algo.advantage != "grpo":

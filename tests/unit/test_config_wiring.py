@@ -59,6 +59,8 @@ CHANGES = {
     "algo.policy_loss": "algo.policy_loss=gspo",
     "algo.dual_clip_c": "algo.dual_clip_c=1.0001",
     "algo.entropy_coef": "algo.entropy_coef=0.1",
+    "algo.reward_clip": "algo.reward_clip=0.05",
+    "algo.zero_reward_truncated": "algo.zero_reward_truncated=true",
     "algo.high_entropy_token_ratio": "algo.high_entropy_token_ratio=0.2",
     "algo.kl.coef": "algo.kl.coef=0",
     "algo.kl.estimator": "algo.kl.estimator=k2",
@@ -103,3 +105,28 @@ def test_entropy_mask_of_ratio_one_equals_no_mask(setup):
     masked, masked_norm = update_after_one_step(setup[1] + ["algo.high_entropy_token_ratio=1"])
     assert masked_norm == plain_norm
     torch.testing.assert_close(masked, plain, rtol=0, atol=0)
+
+
+def test_reward_scale_and_bias_change_the_update_where_they_can(setup):
+    # GRPO's std normalisation cancels a scale and a shift; Dr.GRPO keeps the scale, and a
+    # clip makes the shift matter.
+    dr = setup[1] + ["algo.scale_by_std=false"]
+    assert not torch.allclose(update_after_one_step(dr)[0], update_after_one_step(dr + ["algo.reward_scale=3"])[0])
+    clipped = setup[1] + ["algo.reward_clip=0.3"]  # rewards here are 0.8..1.5: all clip
+    shifted = clipped + ["algo.reward_bias=1.2"]  # now they spread over [-0.3, 0.3]
+    assert not torch.allclose(update_after_one_step(clipped)[0], update_after_one_step(shifted)[0])
+
+
+def test_all_zero_rewards_stop_training_after_patience(setup, tmp_path):
+    from vlrft.rewards.mix import RewardError
+    from vlrft.trainer.spmd_trainer import SPMDTrainer
+
+    (tmp_path / "zero.py").write_text("def broken(completions, samples):\n    return [0.0] * len(completions)\n")
+    overrides = setup[1] + [f"reward.default=[{{recipe: '{tmp_path / 'zero.py'}:broken'}}]"]
+    patient = SPMDTrainer(load_config(None, overrides + ["algo.zero_reward_patience=2"]))
+    patient.train_step()
+    with pytest.raises(RewardError, match="exactly 0 for 2 consecutive steps: check the reward recipes \\(broken\\)"):
+        patient.train_step()
+    never = SPMDTrainer(load_config(None, overrides))
+    for _ in range(3):
+        never.train_step()

@@ -28,6 +28,7 @@ class FastExperienceMaker:
         reference: torch.nn.Module | None,
         rewards: RewardMix,
         advantage_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shape_rewards: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         sampling: SamplingParams,
         micro_batch_tokens: int,
         pad_id: int,
@@ -37,6 +38,7 @@ class FastExperienceMaker:
         self.reference = reference
         self.rewards = rewards
         self.advantage_fn = advantage_fn
+        self.shape_rewards = shape_rewards  # (rewards [N], truncated [N]) -> shaped rewards [N]
         self.sampling = sampling
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
@@ -47,9 +49,10 @@ class FastExperienceMaker:
         totals, components = self.rewards.score(completions, [sample_fields(r.prompt) for r in rollouts])
         old = self.logprobs(self.policy(), rollouts)
         ref = self.logprobs(self.reference, rollouts) if self.reference is not None else [None] * len(rollouts)
-        rewards = torch.tensor(totals, dtype=torch.float32)  # [N]
+        rewards = torch.tensor(totals, dtype=torch.float32)  # [N] as the recipes scored them
+        truncated = torch.tensor([r.truncated for r in rollouts])  # [N]
         group_ids = torch.tensor([r.group_id for r in rollouts])  # [N]
-        advantages = self.advantage_fn(rewards, group_ids)  # [N] one scalar per response
+        advantages = self.advantage_fn(self.shape_rewards(rewards, truncated), group_ids)  # [N]
         return [
             Experience(
                 rollout=r,

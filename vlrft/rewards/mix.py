@@ -16,6 +16,10 @@ from typing import Callable
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig
 from vlrft.registry import load_callable
 
+class RewardError(RuntimeError):
+    """A reward problem that stops training; the message is one line naming the recipes."""
+
+
 # Short names of the built-in recipes in reward_recipes/.
 BUILTIN_RECIPES = {
     "exact_match": "reward_recipes.answer_match:exact_match",

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from vlrft.algo import ADVANTAGES
+from vlrft.algo.shaping import ZeroRewardWatch, transform_rewards, zero_truncated
 from vlrft.config import Config, check_world_size, to_dict
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
@@ -22,11 +23,23 @@ from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
-from vlrft.rewards.mix import RewardMix, component_name
+from vlrft.rewards.mix import RewardError, RewardMix, component_name
 from vlrft.trainer.distributed import all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.update import policy_update
 from vlrft.types import Experience
+
+
+def reward_shaper(cfg: Config):
+    """(rewards [N], truncated [N]) -> the rewards the advantage estimator sees."""
+    algo = cfg.algo
+
+    def shape(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        if algo.zero_reward_truncated:
+            rewards = zero_truncated(rewards, truncated)
+        return transform_rewards(rewards, algo.reward_bias, algo.reward_scale, algo.reward_clip)
+
+    return shape
 
 
 def advantage_estimator(cfg: Config):
@@ -94,6 +107,7 @@ class SPMDTrainer:
             reference=reference,
             rewards=self.rewards,
             advantage_fn=advantage_estimator(cfg),
+            shape_rewards=reward_shaper(cfg),
             sampling=sampling,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
             pad_id=self.pad_id,
@@ -109,6 +123,7 @@ class SPMDTrainer:
             sinks = [ConsoleSink(cfg.train.total_steps), JsonlSink(self.out_dir / "metrics.jsonl")]
         self.logger = MetricsLogger(sinks)
         self.eval_history: list[tuple[int, float]] = []
+        self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg
@@ -134,6 +149,7 @@ class SPMDTrainer:
         self.buffer.clear()
         self.buffer.add(experiences)
         metrics = self._rollout_metrics(experiences)
+        self._check_rewards_not_all_zero(experiences)
         metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
         metrics |= policy_update(self.backend, self.buffer, self.cfg, self.world_size)
         self.engine.update_weights(self.backend.named_full_parameters())
@@ -147,6 +163,14 @@ class SPMDTrainer:
         metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources)
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
+
+    def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:
+        nonzero = all_reduce_sum(torch.tensor([float(sum(e.reward != 0 for e in experiences))]))
+        if self.zero_reward_watch.update(all_zero=float(nonzero) == 0):
+            raise RewardError(
+                f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
+                f"check the reward recipes ({', '.join(self.component_names)}); usually a broken verifier"
+            )
 
     def _rollout_metrics(self, experiences: list[Experience]) -> dict[str, float]:
         """Means over all ranks of rewards (total and per component), lengths, truncation."""

@@ -170,10 +170,6 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     return value
 
 
-def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text)
-
-
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a raw config dict."""
     for item in overrides:
@@ -186,7 +182,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{dotted}': '{part}' is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = yaml.safe_load(text)
     return raw
 
 

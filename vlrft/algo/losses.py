@@ -1,7 +1,8 @@
 """Per-token policy losses (ALGORITHMS.md, "Policy losses").
 
-Every loss takes per-token tensors [B, L] (logp, old_logp, advantages, mask) and returns the
-per-token loss and a clipped-token indicator, both [B, L]; aggregation happens elsewhere.
+PPO and GSPO share the clipped surrogate and differ only in the importance ratio, so the
+registry maps a loss name to its ratio. Tensors are [B, L] (logp, old_logp, advantages, mask);
+aggregation happens elsewhere.
 """
 
 from __future__ import annotations
@@ -10,11 +11,27 @@ import torch
 
 from vlrft.registry import Registry
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES = Registry("policy loss")  # name -> ratio(logp, old_logp, mask) [B, L]
 
 
-def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+@POLICY_LOSSES.register("ppo")
+def token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rho_t = exp(clamp(logp_t - old_logp_t, -20, 20))."""
     return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+
+
+@POLICY_LOSSES.register("gspo")
+def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO, token form: log s_t = logp - sg(logp) + sg(mean_t(logp - old_logp)) per sequence.
+
+    The value of s_t is the sequence ratio exp(mean delta) on every token; its gradient is that
+    of logp_t scaled by s, so the update equals the sequence-level GSPO gradient.
+    """
+    mask = mask.to(logp.dtype)
+    delta = (logp - old_logp) * mask  # [B, L]
+    seq_log_ratio = delta.sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+    seq_log_ratio = seq_log_ratio.clamp(-20.0, 20.0).detach().unsqueeze(-1)  # [B, 1]
+    return torch.exp(logp - logp.detach() + seq_log_ratio)  # [B, L]
 
 
 def clipped_surrogate(
@@ -33,8 +50,8 @@ def clipped_surrogate(
     return loss, clip_hit.float()
 
 
-@POLICY_LOSSES.register("ppo")
-def ppo_clip_loss(
+def policy_loss(
+    name: str,
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -43,28 +60,6 @@ def ppo_clip_loss(
     eps_high: float,
     dual_clip_c: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level PPO clip (clip-higher when eps_high > eps_low; dual clip when c > 0)."""
-    return clipped_surrogate(importance_ratio(logp, old_logp), advantages, eps_low, eps_high, dual_clip_c)
-
-
-@POLICY_LOSSES.register("gspo")
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip_c: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GSPO, token form: log s_t = logp - sg(logp) + sg(mean_t(logp - old_logp)) per sequence.
-
-    The value of s_t is the sequence ratio exp(mean delta) on every token; its gradient is that
-    of logp_t scaled by s, so the update equals the sequence-level GSPO gradient.
-    """
-    mask = mask.to(logp.dtype)
-    delta = (logp - old_logp) * mask  # [B, L]
-    seq_log_ratio = delta.sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
-    seq_log_ratio = seq_log_ratio.clamp(-20.0, 20.0).detach().unsqueeze(-1)  # [B, 1]
-    ratio = torch.exp(logp - logp.detach() + seq_log_ratio)  # [B, L]
+    """Per-token loss of the named policy loss and the clipped-token indicator, both [B, L]."""
+    ratio = POLICY_LOSSES.get(name)(logp, old_logp, mask)
     return clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip_c)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from vlrft.algo import KL_ESTIMATORS, POLICY_LOSSES, aggregate, normaliser_counts
+from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
+from vlrft.algo.losses import policy_loss
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config
 from vlrft.experience.collate import scatter_responses
@@ -16,7 +17,6 @@ from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_red
 
 def policy_update(backend: TrainBackend, buffer: ReplayBuffer, cfg: Config, world_size: int) -> dict[str, float]:
     algo = cfg.algo
-    policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     kl_fn = KL_ESTIMATORS.get(algo.kl.estimator)
     metrics: dict[str, float] = {}
     need_entropy = algo.entropy_coef > 0 or algo.high_entropy_token_ratio > 0
@@ -37,7 +37,9 @@ def policy_update(backend: TrainBackend, buffer: ReplayBuffer, cfg: Config, worl
                 entropy = torch.zeros_like(logp)
             old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])  # [B, L]
             adv = scatter_responses(batch, [e.advantages for e in batch.samples])  # [B, L]
-            pg, clip_hit = policy_loss(logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c)
+            pg, clip_hit = policy_loss(
+                algo.policy_loss, logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c
+            )
             if algo.high_entropy_token_ratio > 0:
                 # Threshold over this micro-batch's valid tokens on every rank; only the
                 # policy-gradient term is masked, the denominator stays the full token count.

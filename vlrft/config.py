@@ -35,6 +35,10 @@ class DataConfig:
     min_pixels: int = 56 * 56  # images are resized into [min_pixels, max_pixels]
     max_pixels: int = 112 * 112
     max_prompt_tokens: int = 1024  # longer prompts are rejected naming the row
+    # Supervised rows (canonical schema; `answer` is the target response) mixed into the actor
+    # update with algo.ptx_coef; empty = no PTX term.
+    ptx_path: str = ""
+    ptx_rows_per_step: int = 8  # PTX rows per optimizer step, per rank
 
 
 @dataclass
@@ -45,18 +49,33 @@ class RolloutConfig:
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
+    # Best-of-n: generate this many responses per prompt and keep the n_samples_per_prompt
+    # highest-reward ones (AReaL). 0 = generate exactly n_samples_per_prompt.
+    generation_size: int = 0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal, and sample more prompts
+    # until rollout_prompts groups are kept or max_sampling_rounds rounds were generated.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
 
 
 @dataclass
 class KLConfig:
-    coef: float = 0.0  # beta; 0 disables the KL term (and the reference model)
-    estimator: str = "k3"  # k1 | k2 | k3 | abs
+    coef: float = 0.0  # beta (initial value when adaptive); 0 disables KL and the reference model
+    estimator: str = "auto"  # k1 | k2 | k3 | abs | full; auto = k1 in the reward, k3 in the loss
+    placement: str = "loss"  # loss: beta * agg(kl) added to the loss; reward: r_t -= beta * kl_t
+    target: float = 0.0  # adaptive controller's target KL per sequence; 0 = fixed beta
+    horizon: int = 10000  # adaptive controller's horizon (in sequences)
+    ref_ema_eta: float = 0.0  # after each update: ref <- (1 - eta) ref + eta policy; 0 = frozen ref
 
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"  # advantage estimator: grpo | rloo
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     scale_by_std: bool = True  # grpo only; false = Dr.GRPO (r - group mean)
+    gamma: float = 1.0  # discount (reinforce_pp, gae)
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # gae only: whiten advantages over the global batch
+    advantage_clip: float = 0.0  # clamp advantages to +-clip after estimation; 0 = off
     policy_loss: str = "ppo"  # policy loss: ppo | gspo
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # > clip_eps_low = DAPO's clip-higher
@@ -68,11 +87,29 @@ class AlgoConfig:
     reward_scale: float = 1.0
     reward_clip: float = 0.0  # 0 = no clipping
     zero_reward_truncated: bool = False  # responses without a stop token get reward 0
+    mask_truncated: bool = False  # responses without a stop token are left out of the loss
     # Stop with an error after this many consecutive steps whose rewards were all exactly 0.
     zero_reward_patience: int = 0  # 0 = never
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(H)
     # Keep only the top fraction of tokens by entropy in the policy-gradient term (0 = off).
     high_entropy_token_ratio: float = 0.0
+    # Stop the remaining ppo_epochs of a step when the mean importance ratio (AReaL) or the
+    # approximate KL 0.5*(logp - old)^2 (TRL) to the rollout policy exceeds these; 0 = off.
+    early_stop_ratio: float = 0.0
+    target_kl: float = 0.0
+    ptx_coef: float = 0.0  # weight of the supervised NLL on data.ptx_path rows
+    moe_aux_coef: float = 0.0  # weight of the MoE router's load-balancing loss (MoE models only)
+
+
+@dataclass
+class CriticConfig:
+    enabled: bool = False  # a value model for PPO with GAE (algo.advantage: gae)
+    path: str = ""  # HF checkpoint for the critic's backbone; empty = the policy's
+    lr: float = 1e-4
+    value_clip: float = 0.2  # clip of V around the rollout-time value; 0 = unclipped
+    value_norm: str = "none"  # none | exp | ma: the critic predicts normalised returns (AReaL)
+    value_norm_beta: float = 0.99995  # decay of the `exp` running statistics
+    freeze_actor_steps: int = 0  # the first N steps update only the critic (warm-up)
 
 
 @dataclass
@@ -86,6 +123,9 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # token budget of one forward micro-batch
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 0, 2 or 3
     seed: int = 0
+    # Keep an EMA copy of the policy (ema <- beta ema + (1 - beta) policy) for evaluation and
+    # export to final_ema/; 0 = off.
+    ema_beta: float = 0.0
 
 
 @dataclass
@@ -121,6 +161,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -212,12 +253,14 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
     cfg.model.ref_path = resolve(cfg.model.ref_path)
     cfg.data.train_path = resolve(cfg.data.train_path)
     cfg.data.eval_path = resolve(cfg.data.eval_path)
+    cfg.data.ptx_path = resolve(cfg.data.ptx_path)
+    cfg.critic.path = resolve(cfg.critic.path)
     cfg.output.dir = resolve(cfg.output.dir)
 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
-    from vlrft.algo import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, GROUP_ESTIMATORS
+    from vlrft.algo import ADVANTAGES, POLICY_LOSSES
     from vlrft.engines import ENGINES
 
     if not cfg.model.path:
@@ -226,27 +269,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'data.train_path' is required (a JSONL file)")
     ADVANTAGES.check(cfg.algo.advantage, "algo.advantage")
     POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
-    KL_ESTIMATORS.check(cfg.algo.kl.estimator, "algo.kl.estimator")
+    _validate_algo(cfg)
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
-    if cfg.algo.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ConfigError(
-            f"config key 'algo.loss_agg_mode' is '{cfg.algo.loss_agg_mode}'; valid: {', '.join(LOSS_AGG_MODES)}"
-        )
-    if cfg.algo.advantage in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"algo.advantage '{cfg.algo.advantage}' compares responses within a group: "
-            "rollout.n_samples_per_prompt must be >= 2"
-        )
-    if not 0 <= cfg.algo.high_entropy_token_ratio <= 1:
-        raise ConfigError(
-            f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {cfg.algo.high_entropy_token_ratio}"
-        )
-    if cfg.algo.reward_clip < 0 or cfg.algo.zero_reward_patience < 0:
-        raise ConfigError("config keys 'algo.reward_clip' and 'algo.zero_reward_patience' must be >= 0")
-    if cfg.algo.dual_clip_c != 0 and cfg.algo.dual_clip_c <= 1:
-        raise ConfigError(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
-    if not cfg.algo.scale_by_std and cfg.algo.advantage != "grpo":
-        raise ConfigError(f"config key 'algo.scale_by_std: false' applies to grpo only, not '{cfg.algo.advantage}'")
     if cfg.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):
@@ -258,6 +282,9 @@ def validate(cfg: Config) -> None:
         "train.ppo_epochs": cfg.train.ppo_epochs,
         "train.micro_batch_tokens": cfg.train.micro_batch_tokens,
         "data.max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "data.ptx_rows_per_step": cfg.data.ptx_rows_per_step,
+        "rollout.max_sampling_rounds": cfg.rollout.max_sampling_rounds,
+        "algo.kl.horizon": cfg.algo.kl.horizon,
     }
     for key, value in positive.items():
         if value < 1:
@@ -274,6 +301,69 @@ def validate(cfg: Config) -> None:
         for spec in mix:
             if not spec.recipe:
                 raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
+
+
+def _validate_algo(cfg: Config) -> None:
+    from vlrft.algo import GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+    from vlrft.algo.kl import FULL_KL
+    from vlrft.algo.value import VALUE_NORMS
+
+    algo, kl, critic, rollout = cfg.algo, cfg.algo.kl, cfg.critic, cfg.rollout
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(algo.loss_agg_mode in LOSS_AGG_MODES,
+         f"config key 'algo.loss_agg_mode' is '{algo.loss_agg_mode}'; valid: {', '.join(LOSS_AGG_MODES)}")
+    need(algo.advantage not in GROUP_ESTIMATORS or rollout.n_samples_per_prompt >= 2,
+         f"algo.advantage '{algo.advantage}' compares responses within a group: "
+         "rollout.n_samples_per_prompt must be >= 2")
+    need(not rollout.dynamic_sampling or rollout.n_samples_per_prompt >= 2,
+         "rollout.dynamic_sampling drops groups whose rewards are all equal: rollout.n_samples_per_prompt must be >= 2")
+    need(rollout.generation_size == 0 or rollout.generation_size >= rollout.n_samples_per_prompt,
+         f"config key 'rollout.generation_size' ({rollout.generation_size}) must be 0 or >= "
+         f"rollout.n_samples_per_prompt ({rollout.n_samples_per_prompt})")
+    need(0 <= algo.high_entropy_token_ratio <= 1,
+         f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {algo.high_entropy_token_ratio}")
+    for key in ("reward_clip", "zero_reward_patience", "advantage_clip", "early_stop_ratio", "target_kl",
+                "ptx_coef", "moe_aux_coef"):
+        need(getattr(algo, key) >= 0, f"config key 'algo.{key}' must be >= 0, got {getattr(algo, key)}")
+    need(algo.dual_clip_c == 0 or algo.dual_clip_c > 1,
+         f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {algo.dual_clip_c}")
+    need(algo.scale_by_std or algo.advantage == "grpo",
+         f"config key 'algo.scale_by_std: false' applies to grpo only, not '{algo.advantage}'")
+    need(algo.whiten_advantages or algo.advantage == "gae",
+         f"config key 'algo.whiten_advantages: false' applies to gae only, not '{algo.advantage}'")
+    need(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, "config keys 'algo.gamma' and 'algo.lam' must be in [0, 1]")
+    # KL
+    valid_kl = [*KL_ESTIMATORS.names(), FULL_KL, "auto"]
+    need(kl.estimator in valid_kl,
+         f"config key 'algo.kl.estimator': unknown KL estimator '{kl.estimator}'; valid: {', '.join(valid_kl)}")
+    need(kl.placement in ("loss", "reward"), f"config key 'algo.kl.placement' must be loss or reward, got '{kl.placement}'")
+    need(kl.coef >= 0 and kl.target >= 0, "config keys 'algo.kl.coef' and 'algo.kl.target' must be >= 0")
+    need(0 <= kl.ref_ema_eta <= 1, f"config key 'algo.kl.ref_ema_eta' must be in [0, 1], got {kl.ref_ema_eta}")
+    need(kl.coef > 0 or (kl.target == 0 and kl.ref_ema_eta == 0),
+         "config keys 'algo.kl.target' and 'algo.kl.ref_ema_eta' need a reference model: set algo.kl.coef > 0")
+    # Critic
+    need(critic.enabled == (algo.advantage == "gae"),
+         "algo.advantage 'gae' needs a critic (critic.enabled: true)" if algo.advantage == "gae"
+         else f"critic.enabled: true is only used by algo.advantage 'gae', not '{algo.advantage}'")
+    need(critic.value_norm in VALUE_NORMS,
+         f"config key 'critic.value_norm' is '{critic.value_norm}'; valid: {', '.join(VALUE_NORMS)}")
+    need(0 < critic.value_norm_beta < 1, "config key 'critic.value_norm_beta' must be in (0, 1)")
+    need(critic.freeze_actor_steps >= 0 and critic.value_clip >= 0,
+         "config keys 'critic.freeze_actor_steps' and 'critic.value_clip' must be >= 0")
+    need(0 <= cfg.train.ema_beta < 1, f"config key 'train.ema_beta' must be in [0, 1), got {cfg.train.ema_beta}")
+    need((algo.ptx_coef > 0) == bool(cfg.data.ptx_path),
+         "config keys 'algo.ptx_coef' (> 0) and 'data.ptx_path' go together: set both or neither")
+
+
+def kl_estimator_name(kl: KLConfig) -> str:
+    """The estimator actually used: `auto` is k1 in the reward and k3 in the loss (ALGORITHMS.md)."""
+    if kl.estimator != "auto":
+        return kl.estimator
+    return "k1" if kl.placement == "reward" else "k3"
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

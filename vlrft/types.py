@@ -39,14 +39,21 @@ class Rollout:
 
 @dataclass
 class Experience:
-    """A scored rollout with everything the policy update needs; per-token tensors are [R]."""
+    """A scored rollout with everything the policy update needs; per-token tensors are [R].
+
+    Filled in two stages: scoring (reward fields) and the experience pass (the rest).
+    """
 
     rollout: Rollout
-    reward: float
+    reward: float  # weighted scalar reward, as the recipes scored it
     reward_components: dict[str, Any]
-    old_logprobs: torch.Tensor  # [R] rollout-time policy logprob of each response token
-    ref_logprobs: torch.Tensor | None  # [R] reference logprobs (None when KL is off)
-    advantages: torch.Tensor  # [R]
+    dense_reward: list[float] | None = None  # [R] weighted per-token recipe rewards
+    old_logprobs: torch.Tensor | None = None  # [R] rollout-time policy logprob of each response token
+    ref_logprobs: torch.Tensor | None = None  # [R] reference logprobs (None when KL is off)
+    advantages: torch.Tensor | None = None  # [R]
+    values: torch.Tensor | None = None  # [R] rollout-time critic outputs (normalised space if value_norm)
+    returns: torch.Tensor | None = None  # [R] critic targets (same space as values)
+    in_loss: bool = True  # False: kept for bookkeeping only (mask_truncated, placeholders)
 
 
 @dataclass

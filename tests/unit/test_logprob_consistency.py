@@ -36,7 +36,7 @@ def test_stored_logprobs_equal_trainer_forward(kind, tiny_text, tiny_vl, additio
     trainer = build_trainer(model, data, tmp_path)
     torch.manual_seed(1)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
-    experiences = trainer.maker.make(prompts)
+    experiences, _ = trainer.maker.make(prompts)
     assert len(experiences) == 12
     trainer.buffer.add(experiences)
     batches = trainer.buffer.micro_batches(shuffle=True)  # other grouping and padding than the maker's

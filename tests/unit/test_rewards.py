@@ -32,7 +32,7 @@ def test_mix_per_data_source_with_weights_and_components(tmp_path):
     )
     mix = RewardMix(cfg)
     samples = [{"answer": "4", "data_source": "maths"}, {"answer": "4", "data_source": "other"}]
-    totals, components = mix.score(["<answer>4</answer>", "4"], samples)
+    totals, components, _ = mix.score(["<answer>4</answer>", "4"], samples)
     # maths: 2 * 1 + 0.5 * (0.1 * 18 chars) = 2.9 ; other: exact_match only = 1
     assert totals == pytest.approx([2.9, 1.0])
     assert components[0] == pytest.approx({"exact_match": 1.0, "length": 1.8})

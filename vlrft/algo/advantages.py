@@ -8,7 +8,7 @@ from vlrft.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
 # Estimators that compare responses within a group and so need n_samples_per_prompt >= 2.
-GROUP_ESTIMATORS = {"grpo", "rloo"}
+GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 
 
 def group_mean_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,3 +39,79 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     size = counts[inverse].to(rewards.dtype)
     return (rewards - mean) * size / (size - 1).clamp(min=1.0)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean_g (no std scaling here: the batch whitening that follows scales). [N]."""
+    mean, _ = group_mean_std(rewards, group_ids)
+    return rewards - mean
+
+
+# Token-level estimators consume per-token rewards [N, R] rather than one score per response.
+TOKEN_ESTIMATORS = {"reinforce_pp", "gae"}
+# Estimators whose advantages are whitened over the global batch (gae: when configured).
+WHITENED_ESTIMATORS = {"reinforce_pp", "reinforce_pp_baseline"}
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's score placed on its last valid token; zeros elsewhere. [N], [N, R] -> [N, R]."""
+    out = torch.zeros(mask.shape, dtype=scores.dtype)
+    lengths = mask.sum(-1).long()  # [N]
+    rows = torch.nonzero(lengths > 0).squeeze(-1)  # an empty response has nowhere to put a score
+    out[rows, lengths[rows] - 1] = scores[rows]
+    return out
+
+
+@ADVANTAGES.register("reinforce_pp")
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over valid tokens (responses are left-aligned). [N, R]."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns * mask
+
+
+@ADVANTAGES.register("gae")
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}. [N, R] each.
+
+    V after the last valid token is 0; masked positions are skipped. Returns (A, R = A + V),
+    both before any whitening.
+    """
+    mask = mask.to(rewards.dtype)
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    next_adv = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        # A padded position passes the running values through unchanged.
+        next_adv = torch.where(m > 0, adv_t, next_adv)
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        advantages[:, t] = adv_t * m
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, reduce_sum=lambda t: t, eps: float = 1e-8
+) -> torch.Tensor:
+    """(x - mu) * rsqrt(var + eps) over the valid entries of the global batch. [N, R].
+
+    `reduce_sum` sums a tensor over data-parallel ranks, so every rank whitens with the same
+    statistics; var uses Bessel's correction.
+    """
+    mask = mask.to(x.dtype)
+    count, total, squares = reduce_sum(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()])).tolist()
+    if count < 2:
+        return x * mask  # one value has no spread to normalise by
+    mean = total / count
+    var = (squares - count * mean * mean) / (count - 1)
+    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + eps, dtype=x.dtype)) * mask

@@ -11,13 +11,15 @@ import torch
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def normaliser_counts(mask: torch.Tensor) -> torch.Tensor:
+def normaliser_counts(mask: torch.Tensor, sequences: int | None = None) -> torch.Tensor:
     """(valid tokens, sequences) of one micro-batch as a float tensor [2].
 
     Summed over the micro-batches and ranks of an optimizer step, it gives the global
-    denominators that `aggregate` divides by.
+    denominators that `aggregate` divides by. `sequences` defaults to every row of the mask
+    (an empty response still counts as a sequence); rows left out of the loss are not counted.
     """
-    return torch.stack([mask.sum().float(), torch.tensor(float(mask.shape[0]))])
+    rows = mask.shape[0] if sequences is None else sequences
+    return torch.stack([mask.sum().float(), torch.tensor(float(rows))])
 
 
 def aggregate(

@@ -23,3 +23,6 @@ class TrainBackend(Protocol):
 
     def save_hf(self, out_dir: Path) -> None:
         """Write an HF checkpoint of the policy (collective; rank 0 writes)."""
+
+    def save_state_dict(self, out_file: Path) -> None:
+        """torch.save the full state dict (collective; rank 0 writes), for non-HF modules."""

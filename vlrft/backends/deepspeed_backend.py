@@ -72,13 +72,24 @@ class DeepSpeedBackend:
             else:
                 yield name, param.data.detach()
 
-    def save_hf(self, out_dir: Path) -> None:
+    def full_state_dict(self) -> dict:
+        """The unsharded state dict (collective; complete on rank 0 under ZeRO-3)."""
         if self.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full on rank 0
-        else:
-            state = self.module.state_dict()
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.module.state_dict()
+
+    def save_hf(self, out_dir: Path) -> None:
+        state = self.full_state_dict()
         if dist.get_rank() == 0:
             self.module.save_pretrained(out_dir, state_dict=state)
+        dist.barrier()
+
+    def save_state_dict(self, out_file: Path) -> None:
+        """torch.save of the full state dict (for modules that are not HF models: the critic)."""
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, out_file)
         dist.barrier()
 
 

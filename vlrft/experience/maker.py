@@ -1,23 +1,65 @@
-"""FastExperienceMaker: prompts -> rollouts -> rewards, old/ref logprobs, advantages, in one pass."""
+"""FastExperienceMaker: prompts -> rollouts -> rewards, then old/ref logprobs, values and
+advantages in one pass over micro-batches."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from vlrft.algo.estimate import AdvantageOptions, estimate_advantages
+from vlrft.algo.kl import FULL_KL, KL_ESTIMATORS, full_kl
+from vlrft.algo.shaping import best_of_n
+from vlrft.algo.value import ReturnStats
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.collate import collate, gather_responses
 from vlrft.experience.replay_buffer import pad_micro_batch_count, split_by_tokens
-from vlrft.models.forward import token_logprobs
+from vlrft.models.forward import policy_forward
+from vlrft.models.value_model import token_values
 from vlrft.rewards.mix import RewardMix
-from vlrft.trainer.distributed import all_reduce_max_int
+from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
 
 
 def sample_fields(prompt: Prompt) -> dict:
     """What a reward recipe sees of a completion's row."""
     return {"id": prompt.id, "answer": prompt.answer, "data_source": prompt.data_source, "meta": prompt.meta}
+
+
+def completion_fields(rollout: Rollout) -> dict:
+    """The row's fields plus the response itself (for length- and token-aware recipes)."""
+    return sample_fields(rollout.prompt) | {
+        "response_ids": rollout.response_ids,
+        "response_length": len(rollout.response_ids),
+        "truncated": rollout.truncated,
+    }
+
+
+def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Left-aligned [R_i] tensors -> [N, width] with zeros after each row."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+@dataclass
+class KLSettings:
+    estimator: str = "k3"  # a KL_ESTIMATORS name or "full"
+    placement: str = "loss"  # reward: beta * kl_t is subtracted from the token rewards here
+    coef: Callable[[], float] = lambda: 0.0  # the controller's current beta
+
+
+@dataclass
+class MakerSettings:
+    sampling: SamplingParams  # n = responses generated per prompt
+    keep_per_prompt: int  # best-of-n keeps this many per prompt (== sampling.n: keep all)
+    micro_batch_tokens: int
+    pad_id: int
+    advantages: AdvantageOptions = field(default_factory=AdvantageOptions)
+    kl: KLSettings = field(default_factory=KLSettings)
+    mask_truncated: bool = False
 
 
 class FastExperienceMaker:
@@ -27,54 +69,110 @@ class FastExperienceMaker:
         policy: Callable[[], torch.nn.Module],
         reference: torch.nn.Module | None,
         rewards: RewardMix,
-        advantage_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         shape_rewards: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        sampling: SamplingParams,
-        micro_batch_tokens: int,
-        pad_id: int,
+        settings: MakerSettings,
+        critic: Callable[[], torch.nn.Module] | None = None,
+        return_stats: ReturnStats | None = None,
     ):
         self.engine = engine
         self.policy = policy  # returns the trainer's current module (same forward as training)
         self.reference = reference
+        self.critic = critic  # returns the critic's current module, or None without a critic
         self.rewards = rewards
-        self.advantage_fn = advantage_fn
         self.shape_rewards = shape_rewards  # (rewards [N], truncated [N]) -> shaped rewards [N]
-        self.sampling = sampling
-        self.micro_batch_tokens = micro_batch_tokens
-        self.pad_id = pad_id
+        self.settings = settings
+        self.return_stats = return_stats  # value normalisation (None = off)
 
-    def make(self, prompts: list[Prompt]) -> list[Experience]:
-        rollouts = self.engine.generate(prompts, self.sampling)
-        completions = [r.response_text for r in rollouts]
-        totals, components = self.rewards.score(completions, [sample_fields(r.prompt) for r in rollouts])
-        old = self.logprobs(self.policy(), rollouts)
-        ref = self.logprobs(self.reference, rollouts) if self.reference is not None else [None] * len(rollouts)
-        rewards = torch.tensor(totals, dtype=torch.float32)  # [N] as the recipes scored them
-        truncated = torch.tensor([r.truncated for r in rollouts])  # [N]
-        group_ids = torch.tensor([r.group_id for r in rollouts])  # [N]
-        advantages = self.advantage_fn(self.shape_rewards(rewards, truncated), group_ids)  # [N]
-        return [
-            Experience(
-                rollout=r,
-                reward=totals[i],
-                reward_components=components[i],
-                old_logprobs=old[i],
-                ref_logprobs=ref[i],
-                advantages=advantages[i].expand(len(r.response_ids)).clone(),  # [R] broadcast to tokens
-            )
-            for i, r in enumerate(rollouts)
-        ]
+    def make(self, prompts: list[Prompt]) -> tuple[list[Experience], dict[str, float]]:
+        return self.finish(self.generate_and_score(prompts))
+
+    def generate_and_score(self, prompts: list[Prompt]) -> list[Experience]:
+        """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`."""
+        s = self.settings
+        rollouts = self.engine.generate(prompts, s.sampling)
+        totals, components, dense = self.rewards.score(
+            [r.response_text for r in rollouts], [completion_fields(r) for r in rollouts]
+        )
+        experiences = [Experience(r, totals[i], components[i], dense[i]) for i, r in enumerate(rollouts)]
+        if s.keep_per_prompt < s.sampling.n:
+            scores = torch.tensor([e.reward + sum(e.dense_reward or []) for e in experiences])
+            group_ids = torch.tensor([r.group_id for r in rollouts])
+            experiences = [experiences[i] for i in best_of_n(scores, group_ids, s.keep_per_prompt).tolist()]
+        return experiences
+
+    def finish(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+        """Old/ref logprobs, values and advantages for scored experiences (a collective: every
+        rank calls it once per step). Returns the experiences and rollout KL metrics."""
+        s = self.settings
+        rollouts = [e.rollout for e in experiences]
+        per_token = self.forward_pass(rollouts)
+        width = max((len(r.response_ids) for r in rollouts), default=0)
+        mask = pad_rows([torch.ones(len(r.response_ids)) for r in rollouts], width)  # [N, R]
+        scores = self.shape_rewards(
+            torch.tensor([e.reward for e in experiences], dtype=torch.float32),
+            torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
+        )  # [N]
+        token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
+        metrics: dict[str, float] = {}
+        if self.reference is not None:
+            kl = pad_rows(per_token["kl"], width)  # [N, R] rollout policy vs reference
+            if s.kl.placement == "reward":
+                token_terms = token_terms - s.kl.coef() * kl
+            seq_kl, count = all_reduce_sum(torch.tensor([(kl * mask).sum().item(), float(len(rollouts))])).tolist()
+            metrics = {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
+        values = None
+        if self.critic is not None:
+            values = pad_rows(per_token["values"], width)  # [N, R] critic outputs
+            if self.return_stats is not None:
+                values = self.return_stats.denormalize(values) * mask
+        advantages, returns = estimate_advantages(
+            s.advantages,
+            scores,
+            torch.tensor([r.group_id for r in rollouts]),
+            mask,
+            token_terms,
+            values,
+            all_reduce_sum,
+        )
+        if returns is not None and self.return_stats is not None:
+            self.return_stats.update(returns, mask, all_reduce_sum)
+            returns = self.return_stats.normalize(returns) * mask  # the critic's target space
+        for i, e in enumerate(experiences):
+            n = len(e.rollout.response_ids)
+            e.old_logprobs = per_token["old"][i]
+            e.ref_logprobs = per_token["ref"][i] if self.reference is not None else None
+            e.advantages = advantages[i, :n].clone()
+            if self.critic is not None:
+                e.values = per_token["values"][i]
+                e.returns = returns[i, :n].clone()
+            e.in_loss = e.in_loss and not (s.mask_truncated and e.rollout.truncated)
+        return experiences, metrics
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:
-        """Response-token logprobs ([R_i] per rollout) with the trainer's own forward."""
-        groups = split_by_tokens(rollouts, self.micro_batch_tokens)
-        batches = [collate(g, self.pad_id) for g in groups]
+    def forward_pass(self, rollouts: list[Rollout]) -> dict[str, list[torch.Tensor]]:
+        """Per rollout, response-token tensors ([R_i]): old, ref, kl (policy vs reference) and
+        values, with the trainer's own forward, one micro-batch at a time."""
+        s = self.settings
+        if not rollouts:
+            raise ValueError("the experience pass needs at least one rollout on every rank")
+        batches = [collate(g, s.pad_id) for g in split_by_tokens(rollouts, s.micro_batch_tokens)]
         # Same number of forwards on every rank: sharded models gather inside forward.
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), self.pad_id)
-        out: list[torch.Tensor] = []
+        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), s.pad_id)
+        temperature = s.sampling.temperature
+        out: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "kl": [], "values": []}
         for batch in batches:
-            logp = token_logprobs(model, batch, self.sampling.temperature)  # [B, L]
+            policy = policy_forward(self.policy(), batch, temperature)
+            found = {"old": policy.logp}
+            if self.reference is not None:
+                ref = policy_forward(self.reference, batch, temperature)
+                found["ref"] = ref.logp
+                if s.kl.estimator == FULL_KL:
+                    found["kl"] = torch.nn.functional.pad(full_kl(policy.logits, ref.logits), (1, 0))
+                else:
+                    found["kl"] = KL_ESTIMATORS.get(s.kl.estimator)(policy.logp, ref.logp)
+            if self.critic is not None:
+                found["values"] = token_values(self.critic(), batch)
             if not batch.dummy:
-                out += gather_responses(batch, logp)
+                for key, value in found.items():
+                    out[key] += gather_responses(batch, value)
         return out

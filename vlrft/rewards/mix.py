@@ -2,10 +2,13 @@
 
 A recipe is a plain function over a batch:
 
-    recipe(completions: list[str], samples: list[dict], **kwargs) -> list[float | None]
+    recipe(completions: list[str], samples: list[dict], **kwargs) -> list[float | list[float] | None]
 
-`samples[i]` holds the row fields of completion i: "id", "answer", "data_source", "meta".
-None means "not applicable" and contributes 0 to the weighted sum.
+`samples[i]` holds the row fields of completion i ("id", "answer", "data_source", "meta") and,
+during training, its response ("response_ids", "response_length", "truncated").
+None means "not applicable" and contributes 0 to the weighted sum. A list of floats, one per
+response token, is a dense reward: token-level estimators (reinforce_pp, gae) add it to the
+per-token rewards, sequence-level ones add its sum to the score.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class RewardError(RuntimeError):
 BUILTIN_RECIPES = {
     "exact_match": "reward_recipes.answer_match:exact_match",
     "answer_format": "reward_recipes.format:answer_tag_format",
+    "soft_overlong_penalty": "reward_recipes.overlong:soft_overlong_penalty",
 }
 
 
@@ -54,10 +58,12 @@ class RewardMix:
         }
         self.accuracy_fn = resolve_recipe(cfg.accuracy_recipe)
 
-    def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[dict[str, float]]]:
-        """Weighted total per completion and its named components (unweighted scores)."""
+    def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[dict[str, float]], list]:
+        """Per completion: the weighted scalar total, the named components (unweighted; a dense
+        component by its sum) and the weighted dense reward (list per token, or None)."""
         totals = [0.0] * len(completions)
         components: list[dict[str, float]] = [{} for _ in completions]
+        dense: list = [None] * len(completions)
         by_source = defaultdict(list)
         for i, sample in enumerate(samples):
             by_source[sample["data_source"]].append(i)
@@ -65,14 +71,30 @@ class RewardMix:
             for spec, fn in self.by_source.get(source, self.default):
                 scores = _call(fn, spec, [completions[i] for i in idx], [samples[i] for i in idx])
                 for i, score in zip(idx, scores):
-                    if score is not None:
+                    if score is None:
+                        continue
+                    if isinstance(score, (list, tuple)):
+                        dense[i] = _add_dense(dense[i], score, spec, samples[i])
+                        components[i][component_name(spec)] = float(sum(score))
+                    else:
                         totals[i] += spec.weight * float(score)
                         components[i][component_name(spec)] = float(score)
-        return totals, components
+        return totals, components, dense
 
     def accuracy(self, completions: list[str], samples: list[dict]) -> list[float]:
         scores = self.accuracy_fn(completions, samples)
         return [float(s or 0.0) for s in scores]
+
+
+def _add_dense(current: list | None, score: list, spec: RecipeSpec, sample: dict) -> list[float]:
+    length = sample.get("response_length", len(score))
+    if len(score) != length:
+        raise RewardError(
+            f"reward recipe '{spec.recipe}' returned a dense reward of {len(score)} values for a "
+            f"response of {length} tokens"
+        )
+    weighted = [spec.weight * float(v) for v in score]
+    return weighted if current is None else [a + b for a, b in zip(current, weighted)]
 
 
 def _call(fn: Callable, spec: RecipeSpec, completions: list[str], samples: list[dict]) -> list:

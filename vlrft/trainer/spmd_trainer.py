@@ -1,53 +1,37 @@
 """SPMDTrainer: the loop every rank runs, top to bottom.
 
-sample -> generate -> reward -> logprobs -> advantages -> update -> sync -> log/evaluate -> save
+sample -> generate -> reward -> (filter) -> logprobs/values -> advantages -> critic and policy
+update -> sync -> log/evaluate -> save
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from vlrft.algo import ADVANTAGES
-from vlrft.algo.shaping import ZeroRewardWatch, transform_rewards, zero_truncated
+from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
+from vlrft.algo.value import ReturnStats
 from vlrft.config import Config, check_world_size, to_dict
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
+from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
-from vlrft.engines import ENGINES, SamplingParams
+from vlrft.engines import ENGINES
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
+from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix, component_name
-from vlrft.trainer.distributed import all_reduce_sum, init_distributed
+from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
+from vlrft.trainer.critic_update import critic_update
+from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.update import policy_update
 from vlrft.types import Experience
-
-
-def reward_shaper(cfg: Config):
-    """(rewards [N], truncated [N]) -> the rewards the advantage estimator sees."""
-    algo = cfg.algo
-
-    def shape(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-        if algo.zero_reward_truncated:
-            rewards = zero_truncated(rewards, truncated)
-        return transform_rewards(rewards, algo.reward_bias, algo.reward_scale, algo.reward_clip)
-
-    return shape
-
-
-def advantage_estimator(cfg: Config):
-    """The configured estimator with its options bound: (rewards [N], group_ids [N]) -> [N]."""
-    estimator = ADVANTAGES.get(cfg.algo.advantage)
-    if cfg.algo.advantage == "grpo":
-        return functools.partial(estimator, scale_by_std=cfg.algo.scale_by_std)
-    return estimator
 
 
 class SPMDTrainer:
@@ -64,54 +48,63 @@ class SPMDTrainer:
         check_world_size(cfg, self.world_size)
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
+        self.step = 0
 
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
+        stop_ids = stop_token_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         self.train_rows = load_rows(cfg.data.train_path)
         eval_rows = load_rows(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})
         self.eval_prompts = [self.encoder.encode(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank]
+        self.ptx = None
+        if cfg.data.ptx_path:
+            self.ptx = PtxStream(
+                cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0]
+            )
 
-        self.backend = DeepSpeedBackend(
-            load_model(cfg.model.path),
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            grad_clip=cfg.train.grad_clip,
-            zero_stage=cfg.train.zero_stage,
-            lr_schedule=cfg.train.lr_schedule,
-            total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
-        )
+        def backend(model: torch.nn.Module, lr: float) -> DeepSpeedBackend:
+            return DeepSpeedBackend(
+                model,
+                lr=lr,
+                weight_decay=cfg.train.weight_decay,
+                grad_clip=cfg.train.grad_clip,
+                zero_stage=cfg.train.zero_stage,
+                lr_schedule=cfg.train.lr_schedule,
+                total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
+            )
+
+        self.backend = backend(load_model(cfg.model.path), cfg.train.lr)
+        self.critic = backend(load_value_model(cfg.critic.path or cfg.model.path), cfg.critic.lr) if cfg.critic.enabled else None
         self.engine = ENGINES.get(cfg.rollout.engine)(
-            model_path=cfg.model.path,
-            tokenizer=tokenizer,
-            stop_ids=stop_token_ids(tokenizer),
-            banned_ids=banned_token_ids(tokenizer),
+            model_path=cfg.model.path, tokenizer=tokenizer, stop_ids=stop_ids, banned_ids=banned_token_ids(tokenizer)
         )
-        reference = None
+        self.reference = None
         if cfg.algo.kl.coef > 0:
-            reference = load_model(cfg.model.ref_path or cfg.model.path).eval().requires_grad_(False)
+            self.reference = load_model(cfg.model.ref_path or cfg.model.path).eval().requires_grad_(False)
+        self.kl_controller = kl_controller(cfg)
+        self.return_stats = None
+        if cfg.critic.value_norm != "none":
+            self.return_stats = ReturnStats(cfg.critic.value_norm, cfg.critic.value_norm_beta)
         self.rewards = RewardMix(cfg.reward)
         self.component_names = sorted(
             {component_name(s) for mix in [cfg.reward.default, *cfg.reward.by_data_source.values()] for s in mix}
         )
-        sampling = SamplingParams(
-            n=cfg.rollout.n_samples_per_prompt,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-        )
         self.maker = FastExperienceMaker(
             engine=self.engine,
             policy=lambda: self.backend.model,
-            reference=reference,
+            reference=self.reference,
             rewards=self.rewards,
-            advantage_fn=advantage_estimator(cfg),
             shape_rewards=reward_shaper(cfg),
-            sampling=sampling,
-            micro_batch_tokens=cfg.train.micro_batch_tokens,
-            pad_id=self.pad_id,
+            settings=maker_settings(cfg, self.pad_id, self.kl_controller),
+            critic=(lambda: self.critic.model) if self.critic is not None else None,
+            return_stats=self.return_stats,
         )
+        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
+        self.policy_ema = None
+        if cfg.train.ema_beta > 0:
+            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.backend.named_full_parameters()}
         self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, self.pad_id, seed=cfg.train.seed + self.rank)
         self.sampler = PromptSampler(
             len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
@@ -133,34 +126,112 @@ class SPMDTrainer:
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
                 self._maybe_evaluate(step)
         self.backend.save_hf(self.out_dir / "final")
+        exported = [self.out_dir / "final"]
+        if self.policy_ema is not None:
+            if self.rank == 0:
+                self.backend.module.save_pretrained(self.out_dir / "final_ema", state_dict=self.policy_ema)
+            exported.append(self.out_dir / "final_ema")
+        if self.critic is not None:
+            self.critic.save_state_dict(self.out_dir / "final_critic" / "value_model.pt")
         if self.rank == 0:
-            self.encoder.tokenizer.save_pretrained(self.out_dir / "final")
-            if self.encoder.image_processor is not None:
-                self.encoder.image_processor.save_pretrained(self.out_dir / "final")
+            for out in exported:
+                self.encoder.tokenizer.save_pretrained(out)
+                if self.encoder.image_processor is not None:
+                    self.encoder.image_processor.save_pretrained(out)
         self.logger.close()
         return self.eval_history
 
     def train_step(self) -> dict[str, float]:
         """One RL step: sample, generate and score, update, sync the engine. Returns metrics."""
+        cfg = self.cfg
+        self.step += 1
         start = time.perf_counter()
-        prompts = [self.encoder.encode(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
-        experiences = self.maker.make(prompts)
+        kept, generated, metrics = self._collect_experiences()
+        experiences, kl_metrics = self.maker.finish(kept)
         made = time.perf_counter()
         self.buffer.clear()
         self.buffer.add(experiences)
-        metrics = self._rollout_metrics(experiences)
-        self._check_rewards_not_all_zero(experiences)
-        metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
-        metrics |= policy_update(self.backend, self.buffer, self.cfg, self.world_size)
-        self.engine.update_weights(self.backend.named_full_parameters())
+        metrics |= self._rollout_metrics(generated) | kl_metrics
+        self._check_rewards_not_all_zero(generated)
+        if self.critic is not None:
+            metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size)
+        if self.step > cfg.critic.freeze_actor_steps:
+            metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
+            ptx = self.ptx.next_examples() if self.ptx is not None else []
+            metrics |= policy_update(
+                self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx
+            )
+            self._sync_weights()
+        if self.reference is not None:
+            metrics["train/kl_coef"] = self.kl_controller.coef
+            self.kl_controller.update(kl_metrics["rollout/kl"], int(kl_metrics["rollout/sequences"]))
         metrics["perf/experience_seconds"] = made - start
         metrics["perf/step_seconds"] = time.perf_counter() - start
         return metrics
 
+    def _collect_experiences(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
+        """(kept, all generated, metrics). With dynamic sampling, groups whose rewards all equal
+        are dropped and more prompts sampled until every rank has its share of groups or
+        `max_sampling_rounds` rounds ran; the decision is all-reduced so ranks stay in step."""
+        rollout = self.cfg.rollout
+        target = rollout.rollout_prompts // self.world_size  # groups per rank
+        kept: list[Experience] = []
+        generated: list[Experience] = []
+        rounds = 0
+        while True:
+            prompts = [self.encoder.encode(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
+            scored = self.maker.generate_and_score(prompts)
+            generated += scored
+            rounds += 1
+            if not rollout.dynamic_sampling:
+                return scored, generated, {}
+            rewards = torch.tensor([e.reward + sum(e.dense_reward or []) for e in scored])
+            spread = groups_with_spread(rewards, torch.tensor([e.rollout.group_id for e in scored]))
+            kept += [e for e, keep in zip(scored, spread.tolist()) if keep]
+            deficit = max(target - len({e.rollout.group_id for e in kept}), 0)
+            if all_reduce_max_int(deficit) == 0 or rounds >= rollout.max_sampling_rounds:
+                break
+        n_generated = len({e.rollout.group_id for e in generated})
+        n_kept = len({e.rollout.group_id for e in kept})
+        first_groups = sorted({e.rollout.group_id for e in kept})[:target]
+        kept = [e for e in kept if e.rollout.group_id in first_groups]
+        if not kept:
+            # Nothing left to learn from on this rank: one dropped group keeps the rank in
+            # step with the others (same collectives) and contributes nothing to the loss.
+            last = generated[-1].rollout.group_id
+            kept = [e for e in generated if e.rollout.group_id == last]
+            for e in kept:
+                e.in_loss = False
+        totals = all_reduce_sum(torch.tensor([float(n_generated), float(n_kept)])).tolist()
+        return kept, generated, {
+            "rollout/dropped_group_frac": 1.0 - totals[1] / max(totals[0], 1.0),
+            "rollout/sampling_rounds": float(rounds),
+        }
+
+    def _sync_weights(self) -> None:
+        """Send the updated weights to the engine, updating the reference and policy EMAs on
+        the way (one gather of each parameter under ZeRO-3)."""
+        eta, beta = self.cfg.algo.kl.ref_ema_eta, self.cfg.train.ema_beta
+        ref_params = dict(self.reference.named_parameters()) if self.reference is not None and eta > 0 else None
+
+        def params():
+            for name, tensor in self.backend.named_full_parameters():
+                if ref_params is not None:
+                    ref_params[name].data.lerp_(tensor.to(ref_params[name].dtype), eta)
+                if self.policy_ema is not None:
+                    self.policy_ema[name].lerp_(tensor.float().cpu(), 1.0 - beta)
+                yield name, tensor
+
+        self.engine.update_weights(params())
+
     def _maybe_evaluate(self, step: int) -> None:
         if not self.eval_sources or not self.cfg.eval.every_steps:
             return
+        if self.policy_ema is not None:  # evaluate the EMA policy, then restore the live one
+            self.engine.update_weights(self.policy_ema.items())
         metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources)
+        if self.policy_ema is not None:
+            self.engine.update_weights(self.backend.named_full_parameters())
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
 

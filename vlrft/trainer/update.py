@@ -6,35 +6,109 @@ import torch
 
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
+from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import policy_loss
+from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
-from vlrft.config import Config
-from vlrft.experience.collate import scatter_responses
-from vlrft.experience.replay_buffer import ReplayBuffer, pad_micro_batch_count
-from vlrft.models.forward import token_logprobs
+from vlrft.config import Config, kl_estimator_name
+from vlrft.experience.collate import collate, scatter_responses
+from vlrft.experience.replay_buffer import pad_micro_batch_count, split_by_tokens
+from vlrft.models.forward import policy_forward
 from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
+from vlrft.types import MicroBatch, Rollout
 
 
-def policy_update(backend: TrainBackend, buffer: ReplayBuffer, cfg: Config, world_size: int) -> dict[str, float]:
+def loss_mask(batch: MicroBatch) -> torch.Tensor:
+    """Response tokens that count in the loss: not padding, not dummies, not masked out. [B, L]."""
+    if batch.dummy:
+        return torch.zeros(batch.response_mask.shape)
+    keep = torch.tensor([float(getattr(s, "in_loss", True)) for s in batch.samples])  # [B]
+    return batch.response_mask.float() * keep.unsqueeze(-1)
+
+
+def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
+    """(valid tokens, sequences) in the loss over all micro-batches and all ranks."""
+    local = torch.zeros(2)
+    for b in batches:
+        if not b.dummy:
+            local += normaliser_counts(loss_mask(b), sequences=sum(getattr(s, "in_loss", True) for s in b.samples))
+    total_tokens, total_seqs = all_reduce_sum(local).tolist()
+    return total_tokens, total_seqs
+
+
+@torch.no_grad()
+def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[float, float]:
+    """Mean importance ratio and approximate KL to the rollout policy over all valid tokens."""
+    sums = torch.zeros(3)
+    for batch in batches:
+        mask = loss_mask(batch)
+        logp = policy_forward(model, batch, temperature).logp
+        old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])
+        ratio = torch.exp((logp - old).clamp(-20, 20))
+        sums += torch.stack([(ratio * mask).sum(), (approx_kl(logp, old) * mask).sum(), mask.sum()])
+    ratio_sum, kl_sum, count = all_reduce_sum(sums).tolist()
+    return ratio_sum / max(count, 1.0), kl_sum / max(count, 1.0)
+
+
+def ptx_batches(examples: list[Rollout], micro_batch_tokens: int, pad_id: int) -> tuple[list[MicroBatch], float]:
+    """This step's supervised micro-batches (same count on every rank) and the global token count."""
+    if not all_reduce_max_int(len(examples)):
+        return [], 0.0
+    batches = [collate(g, pad_id) for g in split_by_tokens(examples, micro_batch_tokens)]
+    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), pad_id)
+    tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches)], dtype=torch.float32))
+    return batches, float(tokens)
+
+
+def policy_update(
+    backend: TrainBackend,
+    buffer,
+    cfg: Config,
+    world_size: int,
+    kl_coef: float = 0.0,
+    reference: torch.nn.Module | None = None,
+    ptx: list[Rollout] = (),
+) -> dict[str, float]:
+    """`ppo_epochs` optimizer steps over the buffer. `kl_coef` is the controller's current beta
+    (used when the KL is in the loss); `ptx` are this rank's supervised examples for the step."""
     algo = cfg.algo
-    kl_fn = KL_ESTIMATORS.get(algo.kl.estimator)
     metrics: dict[str, float] = {}
-    need_entropy = algo.entropy_coef > 0 or algo.high_entropy_token_ratio > 0
-    for _ in range(cfg.train.ppo_epochs):
+    epochs_run = 0
+    for epoch in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
-        # Global denominators of this optimizer step: all micro-batches, all ranks.
-        local = sum(normaliser_counts(b.response_mask) for b in batches if not b.dummy)
-        total_tokens, total_seqs = all_reduce_sum(local).tolist()
-        step_loss = torch.zeros(1)  # sum of micro-batch shares = this step's loss
-        sums = torch.zeros(5)  # token sums of: pg loss, kl, clip hits, ratio, entropy
-        for i, batch in enumerate(batches):
-            mask = batch.response_mask.float() * (0.0 if batch.dummy else 1.0)  # [B, L]
-            if need_entropy:
-                logp, entropy = token_logprobs(backend.model, batch, cfg.rollout.temperature, with_entropy=True)
-            else:
-                logp = token_logprobs(backend.model, batch, cfg.rollout.temperature)  # [B, L]
-                entropy = torch.zeros_like(logp)
+        if epoch > 0 and (algo.early_stop_ratio > 0 or algo.target_kl > 0):
+            ratio, kl = policy_drift(backend.model, batches, cfg.rollout.temperature)
+            metrics |= {"train/drift_ratio": ratio, "train/drift_kl": kl}
+            if should_stop_early(ratio, kl, algo.early_stop_ratio, algo.target_kl):
+                break
+        extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens, buffer.pad_id)
+        metrics |= _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
+        epochs_run += 1
+    metrics["train/epochs_run"] = float(epochs_run)
+    return metrics
+
+
+def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference) -> dict[str, float]:
+    algo = cfg.algo
+    temperature = cfg.rollout.temperature
+    kl_in_loss = kl_coef > 0 and algo.kl.placement == "loss"
+    estimator = kl_estimator_name(algo.kl)
+    need_entropy = algo.entropy_coef > 0 or algo.high_entropy_token_ratio > 0
+    total_tokens, total_seqs = step_normalisers(batches)  # global denominators of this step
+    work = [(False, b) for b in batches] + [(True, b) for b in ptx]
+    step_loss = torch.zeros(1)  # sum of micro-batch shares = this step's loss
+    sums = torch.zeros(7)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
+    for i, (is_ptx, batch) in enumerate(work):
+        mask = loss_mask(batch)  # [B, L]
+        out = policy_forward(backend.model, batch, temperature, moe_aux=algo.moe_aux_coef > 0 and not is_ptx)
+        logp = out.logp  # [B, L]
+        if is_ptx:
+            nll = -(logp * mask).sum() / max(ptx_tokens, 1.0)
+            loss = algo.ptx_coef * nll
+            sums[5] += nll.detach()
+        else:
+            entropy = out.entropy() if need_entropy else torch.zeros_like(logp)
             old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])  # [B, L]
             adv = scatter_responses(batch, [e.advantages for e in batch.samples])  # [B, L]
             pg, clip_hit = policy_loss(
@@ -47,30 +121,42 @@ def policy_update(backend: TrainBackend, buffer: ReplayBuffer, cfg: Config, worl
                 pg = pg * high_entropy_mask(entropy, entropy_threshold(valid, algo.high_entropy_token_ratio))
             token_loss = pg - algo.entropy_coef * entropy
             kl = torch.zeros_like(pg)
-            if algo.kl.coef > 0:
-                ref = scatter_responses(batch, [e.ref_logprobs for e in batch.samples])  # [B, L]
-                kl = kl_fn(logp, ref)
-                token_loss = token_loss + algo.kl.coef * kl
-            loss = aggregate(
-                token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens
-            )
-            # DeepSpeed averages gradients over ranks; the loss is already globally normalised.
-            backend.backward(loss * world_size, boundary=i == len(batches) - 1)
+            if kl_in_loss:
+                if estimator == FULL_KL:
+                    with torch.no_grad():
+                        ref_logits = policy_forward(reference, batch, temperature).logits
+                    kl = torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0))
+                else:
+                    ref = scatter_responses(batch, [e.ref_logprobs for e in batch.samples])  # [B, L]
+                    kl = KL_ESTIMATORS.get(estimator)(logp, ref)
+                token_loss = token_loss + kl_coef * kl
+            loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
+            if out.aux_loss is not None:
+                # The router loss is per forward: weight it by this micro-batch's token share.
+                loss = loss + algo.moe_aux_coef * out.aux_loss * mask.sum() / max(total_tokens, 1.0)
+                sums[6] += out.aux_loss.detach() * mask.sum() / max(total_tokens, 1.0)
             with torch.no_grad():
                 ratio = torch.exp((logp - old).clamp(-20, 20))
-                step_loss += loss
-                sums += torch.stack(
-                    [(pg * mask).sum(), (kl * mask).sum(), (clip_hit * mask).sum(), (ratio * mask).sum(), (entropy * mask).sum()]
-                )
-        grad_norm = backend.step()
-        sums = all_reduce_sum(sums) / max(total_tokens, 1.0)  # token means
-        metrics = {
-            "train/loss": float(all_reduce_sum(step_loss)),
-            "train/pg_loss": float(sums[0]),
-            "train/kl": float(sums[1]),
-            "train/clip_frac": float(sums[2]),
-            "train/ratio_mean": float(sums[3]),
-            **({"train/entropy": float(sums[4])} if need_entropy else {}),
-            "train/grad_norm": grad_norm,
-        }
+                sums[:5] += torch.stack([(t * mask).sum() for t in (pg, kl, clip_hit, ratio, entropy)])
+        # DeepSpeed averages gradients over ranks; the loss is already globally normalised.
+        backend.backward(loss * world_size, boundary=i == len(work) - 1)
+        step_loss += loss.detach()
+    grad_norm = backend.step()
+    sums = all_reduce_sum(sums)
+    token_means = sums[:5] / max(total_tokens, 1.0)
+    metrics = {
+        "train/loss": float(all_reduce_sum(step_loss)),
+        "train/pg_loss": float(token_means[0]),
+        "train/clip_frac": float(token_means[2]),
+        "train/ratio_mean": float(token_means[3]),
+        "train/grad_norm": grad_norm,
+    }
+    if kl_in_loss:
+        metrics["train/kl"] = float(token_means[1])
+    if need_entropy:
+        metrics["train/entropy"] = float(token_means[4])
+    if ptx:
+        metrics["train/ptx_nll"] = float(sums[5])
+    if algo.moe_aux_coef > 0:
+        metrics["train/moe_aux_loss"] = float(sums[6])
     return metrics

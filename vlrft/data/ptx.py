@@ -1,0 +1,32 @@
+"""The PTX stream: supervised (prompt, answer) rows mixed into the actor update (InstructGPT's
+pretraining-mix term, here any supervised data in the canonical row schema)."""
+
+from __future__ import annotations
+
+from vlrft.data.dataset import DataError, load_rows
+from vlrft.data.encoding import PromptEncoder
+from vlrft.types import Rollout
+
+
+class PtxStream:
+    """Cycles through this rank's share of the rows; the row's `answer` is the target response."""
+
+    def __init__(self, path: str, encoder: PromptEncoder, rows_per_step: int, rank: int, world_size: int, stop_id: int):
+        rows = load_rows(path)[rank::world_size]
+        if not rows:
+            raise DataError(f"{path}: no PTX rows for rank {rank} of {world_size}")
+        tokenizer = encoder.tokenizer
+        self.examples = []
+        for i, row in enumerate(rows):
+            target = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [stop_id]
+            self.examples.append(
+                Rollout(prompt=encoder.encode(row, -1 - i), group_id=-1, response_ids=target,
+                        response_text=row["answer"], truncated=False)
+            )
+        self.rows_per_step = rows_per_step
+        self.position = 0
+
+    def next_examples(self) -> list[Rollout]:
+        out = [self.examples[(self.position + k) % len(self.examples)] for k in range(self.rows_per_step)]
+        self.position += self.rows_per_step
+        return out

@@ -1,0 +1,39 @@
+"""The critic: the policy's backbone (vision tower included) with a scalar value head."""
+
+from __future__ import annotations
+
+
+import torch
+
+from vlrft.models.loader import load_model
+from vlrft.types import MicroBatch
+
+
+class ValueModel(torch.nn.Module):
+    """V(s) for every prefix: a linear head on the backbone's last hidden state."""
+
+    def __init__(self, causal_lm: torch.nn.Module):
+        super().__init__()
+        # `.model` of an HF causal / image-text-to-text LM is the decoder with its vision
+        # tower; the LM head is dropped.
+        self.backbone = causal_lm.model
+        hidden = causal_lm.config.get_text_config().hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1)
+        # Zero init: the first values are 0, so the first GAE advantages are the returns.
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, **inputs) -> torch.Tensor:
+        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
+        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+
+
+def load_value_model(path: str) -> ValueModel:
+    """A critic initialised from an HF checkpoint (usually the policy's) with a fresh head."""
+    return ValueModel(load_model(path))
+
+
+def token_values(critic: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """Value of the state before each token, at the token's own position (as logprobs). [B, L]."""
+    values = critic(**batch.model_inputs())  # [B, L] value after reading position p
+    return torch.nn.functional.pad(values[:, :-1].float(), (1, 0))

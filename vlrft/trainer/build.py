@@ -1,0 +1,61 @@
+"""Config -> the loop's parts: reward shaper, advantage options, KL controller, maker settings."""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.algo.estimate import AdvantageOptions
+from vlrft.algo.kl import AdaptiveKLController, FixedKLController
+from vlrft.algo.shaping import transform_rewards, zero_truncated
+from vlrft.config import Config, kl_estimator_name
+from vlrft.engines import SamplingParams
+from vlrft.experience.maker import KLSettings, MakerSettings
+
+
+def reward_shaper(cfg: Config):
+    """(rewards [N], truncated [N]) -> the rewards the advantage estimator sees."""
+    algo = cfg.algo
+
+    def shape(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        if algo.zero_reward_truncated:
+            rewards = zero_truncated(rewards, truncated)
+        return transform_rewards(rewards, algo.reward_bias, algo.reward_scale, algo.reward_clip)
+
+    return shape
+
+
+def advantage_options(cfg: Config) -> AdvantageOptions:
+    algo = cfg.algo
+    return AdvantageOptions(
+        name=algo.advantage,
+        scale_by_std=algo.scale_by_std,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        whiten_gae=algo.whiten_advantages,
+        clip=algo.advantage_clip,
+    )
+
+
+def kl_controller(cfg: Config) -> FixedKLController:
+    kl = cfg.algo.kl
+    if kl.target > 0:
+        return AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+    return FixedKLController(kl.coef)
+
+
+def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController) -> MakerSettings:
+    rollout = cfg.rollout
+    return MakerSettings(
+        sampling=SamplingParams(
+            n=rollout.generation_size or rollout.n_samples_per_prompt,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+        ),
+        keep_per_prompt=rollout.n_samples_per_prompt,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
+        pad_id=pad_id,
+        advantages=advantage_options(cfg),
+        kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
+        mask_truncated=cfg.algo.mask_truncated,
+    )

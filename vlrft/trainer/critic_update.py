@@ -1,0 +1,45 @@
+"""One critic update: the clipped value loss over the replay buffer, one step per epoch."""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.algo import aggregate
+from vlrft.algo.value import value_loss
+from vlrft.backends.base import TrainBackend
+from vlrft.config import Config
+from vlrft.experience.collate import scatter_responses
+from vlrft.experience.replay_buffer import pad_micro_batch_count
+from vlrft.models.value_model import token_values
+from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
+from vlrft.trainer.update import loss_mask, step_normalisers
+
+
+def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for _ in range(cfg.train.ppo_epochs):
+        batches = buffer.micro_batches(shuffle=True)
+        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
+        total_tokens, total_seqs = step_normalisers(batches)
+        sums = torch.zeros(4)  # loss share, token sums of: values, returns, squared error
+        for i, batch in enumerate(batches):
+            mask = loss_mask(batch)  # [B, L]
+            values = token_values(backend.model, batch)  # [B, L]
+            old = scatter_responses(batch, [e.values for e in batch.samples])  # [B, L]
+            returns = scatter_responses(batch, [e.returns for e in batch.samples])  # [B, L]
+            per_token = value_loss(values, old, returns, cfg.critic.value_clip)
+            loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
+            backend.backward(loss * world_size, boundary=i == len(batches) - 1)
+            with torch.no_grad():
+                sums += torch.stack([loss, (values * mask).sum(), (returns * mask).sum(), ((values - returns) ** 2 * mask).sum()])
+        grad_norm = backend.step()
+        sums = all_reduce_sum(sums)
+        tokens = max(total_tokens, 1.0)
+        metrics = {
+            "critic/value_loss": float(sums[0]),
+            "critic/values_mean": float(sums[1]) / tokens,
+            "critic/returns_mean": float(sums[2]) / tokens,
+            "critic/mse": float(sums[3]) / tokens,
+            "critic/grad_norm": grad_norm,
+        }
+    return metrics

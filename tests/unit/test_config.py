@@ -55,7 +55,7 @@ def test_group_estimator_needs_two_samples(tmp_path):
 
 
 def test_unknown_algorithm_name_lists_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match="unknown KL estimator 'k9'; valid: abs, k1, k2, k3"):
+    with pytest.raises(ConfigError, match="unknown KL estimator .k9.; valid: abs, k1, k2, k3, full, auto"):
         load_config(write(tmp_path, BASE), ["algo.kl.estimator=k9"])
     with pytest.raises(ConfigError, match="valid: token-mean"):
         load_config(write(tmp_path, BASE), ["algo.loss_agg_mode=mean"])
@@ -82,3 +82,48 @@ def test_invalid_algorithm_combinations_fail_at_load(tmp_path):
         load_config(write(tmp_path, BASE), ["algo.advantage=rloo", "algo.scale_by_std=false"])
     with pytest.raises(ConfigError, match="'rloo' compares responses within a group"):
         load_config(write(tmp_path, BASE), ["algo.advantage=rloo", "rollout.n_samples_per_prompt=1"])
+
+
+INVALID = {
+    "gae without a critic": (["algo.advantage=gae"], "algo.advantage 'gae' needs a critic"),
+    "a critic without gae": (["critic.enabled=true"], "critic.enabled: true is only used by algo.advantage 'gae'"),
+    "reinforce_pp_baseline with one sample": (
+        ["algo.advantage=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"],
+        "'reinforce_pp_baseline' compares responses within a group",
+    ),
+    "whitening switch outside gae": (["algo.whiten_advantages=false"], "applies to gae only, not 'grpo'"),
+    "best-of-n smaller than the group": (["rollout.generation_size=4"], "'rollout.generation_size' \\(4\\) must be 0 or >="),
+    "dynamic sampling with one sample": (
+        ["rollout.dynamic_sampling=true", "rollout.n_samples_per_prompt=1", "algo.advantage=reinforce_pp"],
+        "dynamic_sampling drops groups",
+    ),
+    "unknown KL placement": (["algo.kl.placement=logits"], "'algo.kl.placement' must be loss or reward"),
+    "adaptive KL without a reference": (["algo.kl.target=6"], "need a reference model: set algo.kl.coef > 0"),
+    "ref EMA without a reference": (["algo.kl.ref_ema_eta=0.1"], "need a reference model"),
+    "ref EMA out of range": (["algo.kl.coef=0.1", "algo.kl.ref_ema_eta=2"], "'algo.kl.ref_ema_eta' must be in \\[0, 1\\]"),
+    "PTX coef without data": (["algo.ptx_coef=0.1"], "'algo.ptx_coef' \\(> 0\\) and 'data.ptx_path' go together"),
+    "PTX data without coef": (["data.ptx_path=p.jsonl"], "go together"),
+    "unknown value normalisation": (
+        ["algo.advantage=gae", "critic.enabled=true", "critic.value_norm=std"], "'critic.value_norm' is 'std'; valid: none, exp, ma"
+    ),
+    "policy EMA of one": (["train.ema_beta=1"], "'train.ema_beta' must be in \\[0, 1\\)"),
+    "negative early stop": (["algo.target_kl=-1"], "'algo.target_kl' must be >= 0"),
+    "gamma above one": (["algo.gamma=1.5"], "'algo.gamma' and 'algo.lam' must be in \\[0, 1\\]"),
+    "zero sampling rounds": (["rollout.max_sampling_rounds=0"], "'rollout.max_sampling_rounds' must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_algorithm_options_fail_at_load_with_one_line(case, tmp_path):
+    overrides, message = INVALID[case]
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(write(tmp_path, BASE), overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_kl_estimator_auto_depends_on_placement(tmp_path):
+    from vlrft.config import kl_estimator_name
+
+    assert kl_estimator_name(load_config(write(tmp_path, BASE)).algo.kl) == "k3"
+    assert kl_estimator_name(load_config(write(tmp_path, BASE), ["algo.kl.placement=reward"]).algo.kl) == "k1"
+    assert kl_estimator_name(load_config(write(tmp_path, BASE), ["algo.kl.estimator=full"]).algo.kl) == "full"

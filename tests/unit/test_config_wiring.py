@@ -9,7 +9,14 @@ import torch
 
 from vlrft.config import load_config
 
-RECIPE = "def distinct_chars(completions, samples):\n    return [len(set(c)) / 10 for c in completions]\n"
+RECIPE = (
+    "def distinct_chars(completions, samples):\n"
+    "    return [len(set(c)) / 10 for c in completions]\n"
+    "\n"
+    "def half_constant(completions, samples):\n"
+    "    # rows with an even id digit score 0 whatever the response: all-equal groups\n"
+    "    return [len(set(c)) / 10 * (int(s['id'][-1]) % 2) for c, s in zip(completions, samples)]\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +42,21 @@ def setup(tmp_path_factory, tiny_text, addition_data, world_of_one):
     return root, base, str(other_ref)
 
 
-def update_after_one_step(overrides):
+def flat_parameters(trainer) -> torch.Tensor:
+    """Actor and (when present) critic parameters, flattened into one vector."""
+    modules = [trainer.backend.module] + ([trainer.critic.module] if trainer.critic is not None else [])
+    return torch.cat([p.detach().flatten().clone() for m in modules for p in m.parameters()])
+
+
+def update_after_one_step(overrides, steps: int = 1):
+    """The parameter change of the last of `steps` steps, and that step's actor grad norm."""
     from vlrft.trainer.spmd_trainer import SPMDTrainer
 
     trainer = SPMDTrainer(load_config(None, overrides))
-    before = torch.cat([p.detach().flatten().clone() for p in trainer.backend.module.parameters()])
-    metrics = trainer.train_step()
-    after = torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()])
-    return after - before, metrics["train/grad_norm"]
+    for _ in range(steps):
+        before = flat_parameters(trainer)
+        metrics = trainer.train_step()
+    return flat_parameters(trainer) - before, metrics.get("train/grad_norm", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +144,165 @@ def test_all_zero_rewards_stop_training_after_patience(setup, tmp_path):
     never = SPMDTrainer(load_config(None, overrides))
     for _ in range(3):
         never.train_step()
+
+
+GAE = ["algo.advantage=gae", "critic.enabled=true", "critic.lr=0.001"]
+PTX = ["algo.ptx_coef=0.5"]  # data.ptx_path is added by the test (a file it writes)
+# The half_constant recipe (ROOT = the fixture's directory): its all-equal groups are dropped.
+HALF = ["reward.default=[{recipe: 'ROOT/recipe.py:half_constant'}]"]
+# key -> (overrides of the comparison's base, the change, steps): the base is the module's
+# baseline plus the first list; a key whose effect starts at step 2 compares the second step.
+PAIRED = {
+    "algo.advantage=reinforce_pp": ([], "algo.advantage=reinforce_pp", 1),
+    "algo.advantage=reinforce_pp_baseline": ([], "algo.advantage=reinforce_pp_baseline", 1),
+    "algo.gamma": (["algo.advantage=reinforce_pp"], "algo.gamma=0.5", 1),
+    "algo.lam": (GAE, "algo.lam=0.5", 1),
+    "algo.whiten_advantages": (GAE, "algo.whiten_advantages=false", 1),
+    "algo.advantage_clip": ([], "algo.advantage_clip=0.1", 1),
+    "algo.mask_truncated": ([], "algo.mask_truncated=true", 1),
+    "algo.early_stop_ratio": ([], "algo.early_stop_ratio=0.000000001", 1),
+    "algo.target_kl": ([], "algo.target_kl=0.000000000001", 1),
+    "algo.kl.placement": ([], "algo.kl.placement=reward", 1),
+    "algo.kl.estimator=full": ([], "algo.kl.estimator=full", 1),
+    "algo.kl.target": ([], "algo.kl.target=0.0001", 2),
+    "algo.kl.horizon": (["algo.kl.target=0.0001"], "algo.kl.horizon=10", 2),
+    "algo.kl.ref_ema_eta": ([], "algo.kl.ref_ema_eta=0.5", 2),
+    "rollout.generation_size": ([], "rollout.generation_size=8", 1),
+    "rollout.dynamic_sampling": (HALF, "rollout.dynamic_sampling=true", 1),
+    "rollout.max_sampling_rounds": (HALF + ["rollout.dynamic_sampling=true"], "rollout.max_sampling_rounds=1", 1),
+    "critic.lr": (GAE, "critic.lr=0.01", 1),
+    "critic.value_clip": (GAE, "critic.value_clip=0.000001", 1),
+    "critic.value_norm": (GAE, "critic.value_norm=ma", 1),
+    "critic.value_norm_beta": (GAE + ["critic.value_norm=exp"], "critic.value_norm_beta=0.5", 2),
+    "critic.freeze_actor_steps": (GAE, "critic.freeze_actor_steps=1", 1),
+    "algo.ptx_coef": (PTX, "", 1),
+    "data.ptx_rows_per_step": (PTX, "data.ptx_rows_per_step=2", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def ptx_file(setup):
+    import json
+
+    root = setup[0]
+    rows = [
+        {"id": f"ptx-{i}", "data_source": "ptx", "messages": [{"role": "user", "content": [{"type": "text", "text": f"{i} + 1 ="}]}], "answer": str(i + 1)}
+        for i in range(6)
+    ]
+    (root / "ptx.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(root / "ptx.jsonl")
+
+
+@pytest.mark.parametrize("name", sorted(PAIRED))
+def test_changing_key_changes_the_update_paired(name, setup, ptx_file):
+    extra, change, steps = PAIRED[name]
+    ptx = [f"data.ptx_path={ptx_file}"] if any(o.startswith("algo.ptx_coef") for o in extra) else []
+    base = setup[1] + [o.replace("ROOT", str(setup[0])) for o in extra] + ptx
+    if name == "algo.ptx_coef":  # compare no PTX with PTX
+        reference, _ = update_after_one_step(setup[1])
+        changed, _ = update_after_one_step(base)
+    else:
+        reference, _ = update_after_one_step(base, steps)
+        changed, _ = update_after_one_step(base + [change], steps)
+    assert not torch.allclose(changed, reference, rtol=1e-3, atol=1e-7), name
+
+
+def build_trainer(overrides):
+    from vlrft.trainer.spmd_trainer import SPMDTrainer
+
+    return SPMDTrainer(load_config(None, overrides))
+
+
+def test_moe_aux_coef_adds_the_router_loss(setup, tiny_text):
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    moe_dir = setup[0] / "tiny_moe"
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        vocab_size=638, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+    )
+    Qwen2MoeForCausalLM(config).save_pretrained(moe_dir)
+    AutoTokenizer.from_pretrained(tiny_text).save_pretrained(moe_dir)
+    base = setup[1] + [f"model.path={moe_dir}"]
+    plain, _ = update_after_one_step(base)
+    trainer = build_trainer(base + ["algo.moe_aux_coef=0.5"])
+    before = flat_parameters(trainer)
+    metrics = trainer.train_step()
+    assert metrics["train/moe_aux_loss"] > 0
+    assert not torch.allclose(flat_parameters(trainer) - before, plain, rtol=1e-3, atol=1e-7)
+
+
+def test_policy_ema_tracks_the_updates_and_serves_evaluation(setup, addition_data):
+    # ema <- beta * ema + (1 - beta) * theta after each update, from ema = theta_0:
+    # beta = 0.5, two steps -> 0.25 theta_0 + 0.25 theta_1 + 0.5 theta_2.
+    trainer = build_trainer(setup[1] + ["train.ema_beta=0.5", f"data.eval_path={addition_data / 'test.jsonl'}"])
+    names = [n for n, _ in trainer.backend.module.named_parameters()]
+    snapshots = [{n: p.detach().clone() for n, p in trainer.backend.module.named_parameters()}]
+    for _ in range(2):
+        trainer.train_step()
+        snapshots.append({n: p.detach().clone() for n, p in trainer.backend.module.named_parameters()})
+    for n in names:
+        expected = 0.25 * snapshots[0][n] + 0.25 * snapshots[1][n] + 0.5 * snapshots[2][n]
+        torch.testing.assert_close(trainer.policy_ema[n], expected)
+    served = {}
+    real_update = trainer.engine.update_weights
+
+    def record(named):
+        named = list(named)
+        served.setdefault("first", dict(named))
+        real_update(named)
+
+    trainer.engine.update_weights = record
+    trainer._maybe_evaluate(2)
+    torch.testing.assert_close(served["first"][names[0]], trainer.policy_ema[names[0]])  # evaluated the EMA
+    engine_params = dict(trainer.engine.model.named_parameters())
+    torch.testing.assert_close(engine_params[names[0]], snapshots[2][names[0]])  # live weights restored
+
+
+def test_policy_ema_is_exported(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = build_trainer(setup[1] + ["train.ema_beta=0.5", "train.total_steps=1", f"output.dir={tmp_path}"])
+    start = {n: p.detach().clone() for n, p in trainer.backend.module.named_parameters()}
+    trainer.train()
+    final = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "final").named_parameters())
+    ema = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "final_ema").named_parameters())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(ema[name], 0.5 * start[name] + 0.5 * final[name])
+
+
+def test_dynamic_sampling_with_nothing_to_learn_updates_nothing(setup, tmp_path):
+    (tmp_path / "flat.py").write_text("def flat(completions, samples):\n    return [1.0] * len(completions)\n")
+    trainer = build_trainer(
+        setup[1]
+        + [f"reward.default=[{{recipe: '{tmp_path / 'flat.py'}:flat'}}]", "rollout.dynamic_sampling=true",
+           "rollout.max_sampling_rounds=2"]
+    )
+    before = flat_parameters(trainer)
+    metrics = trainer.train_step()
+    assert metrics["rollout/dropped_group_frac"] == 1.0
+    assert metrics["rollout/sampling_rounds"] == 2.0
+    assert trainer.sampler.consumed == 2 * 2  # two rounds of rollout_prompts = 2
+    assert all(not e.in_loss for e in trainer.buffer.items)  # the placeholder group
+    assert torch.equal(flat_parameters(trainer), before)
+
+
+def test_early_stop_skips_the_remaining_epochs(setup):
+    assert build_trainer(setup[1]).train_step()["train/epochs_run"] == 2
+    metrics = build_trainer(setup[1] + ["algo.target_kl=0.000000000001"]).train_step()
+    assert metrics["train/epochs_run"] == 1
+    assert metrics["train/drift_kl"] > 0
+
+
+def test_frozen_actor_trains_only_the_critic(setup):
+    trainer = build_trainer(setup[1] + GAE + ["critic.freeze_actor_steps=1"])
+    actor = torch.cat([p.detach().flatten().clone() for p in trainer.backend.module.parameters()])
+    critic = torch.cat([p.detach().flatten().clone() for p in trainer.critic.module.parameters()])
+    metrics = trainer.train_step()
+    assert "train/loss" not in metrics and "critic/value_loss" in metrics
+    assert torch.equal(torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()]), actor)
+    assert not torch.equal(torch.cat([p.detach().flatten() for p in trainer.critic.module.parameters()]), critic)
+    trainer.train_step()  # step 2: the actor moves
+    assert not torch.equal(torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()]), actor)

@@ -3,7 +3,7 @@ import pytest
 from reward_recipes.answer_match import exact_match
 from reward_recipes.format import answer_tag_format
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig
-from vlrft.rewards.mix import RewardMix, resolve_recipe
+from vlrft.rewards.mix import RewardError, RewardMix, resolve_recipe
 
 
 def test_exact_match_extracts_and_normalises():
@@ -40,7 +40,7 @@ def test_mix_per_data_source_with_weights_and_components(tmp_path):
 
 
 def test_unknown_recipe_lists_builtins():
-    with pytest.raises(ConfigError, match="unknown reward recipe 'exactmatch'; built-ins: answer_format, exact_match"):
+    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; built-ins: answer_format, exact_match, soft_overlong_penalty"):
         resolve_recipe("exactmatch")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_recipe("no_such_pkg.mod:fn")
@@ -59,3 +59,22 @@ def test_accuracy_uses_the_configured_recipe():
     strict = RewardMix(RewardConfig(accuracy_recipe="answer_format"))
     assert strict.accuracy(["red"], samples) == [0.0]  # right answer, wrong format
     assert RewardMix(RewardConfig()).accuracy(["red"], samples) == [1.0]  # default: exact_match
+
+
+def test_dense_recipe_scores_are_weighted_per_token_and_checked(tmp_path):
+    user = tmp_path / "dense.py"
+    user.write_text(
+        "def per_token(completions, samples):\n"
+        "    return [[0.5] * s['response_length'] for s in samples]\n"
+        "def short(completions, samples):\n"
+        "    return [[1.0] for s in samples]\n"
+    )
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe="exact_match"), RecipeSpec(recipe=f"{user}:per_token", weight=2.0)]))
+    samples = [{"answer": "4", "data_source": "x", "response_length": 3}]
+    totals, components, dense = mix.score(["<answer>4</answer>"], samples)
+    assert totals == [1.0]  # the scalar part only
+    assert dense == [[1.0, 1.0, 1.0]]  # 2.0 * 0.5 on each of the 3 tokens
+    assert components[0] == {"exact_match": 1.0, "per_token": 1.5}  # a dense component by its sum
+    bad = RewardMix(RewardConfig(default=[RecipeSpec(recipe=f"{user}:short")]))
+    with pytest.raises(RewardError, match="reward recipe '.*:short' returned a dense reward of 1 values for a response of 3 tokens"):
+        bad.score(["abc"], samples)

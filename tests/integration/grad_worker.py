@@ -1,0 +1,72 @@
+"""Worker of test_split_invariance: one optimizer step's gradient on a fixed batch of experiences.
+
+Run under torchrun (any world size) or plain python (a world of one). Every rank builds the same
+8 experiences from a seed, keeps its share (rank::world_size), runs vlrft's policy_update on a
+DeepSpeed ZeRO-2 backend and, just before the optimizer step, records the full gradient.
+Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE
+"""
+
+import sys
+
+import torch
+
+
+def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str) -> None:
+    from deepspeed.utils import safe_get_full_grad
+
+    from vlrft.algo import LOSS_AGG_MODES
+    from vlrft.backends.deepspeed_backend import DeepSpeedBackend
+    from vlrft.config import load_config
+    from vlrft.data.dataset import load_rows
+    from vlrft.data.encoding import PromptEncoder
+    from vlrft.experience.replay_buffer import ReplayBuffer
+    from vlrft.models.loader import load_model
+    from vlrft.trainer.distributed import init_distributed
+    from vlrft.trainer.update import policy_update
+    from vlrft.types import Experience, Rollout
+
+    rank, world_size = init_distributed()
+    encoder = PromptEncoder(model_dir, 3136, 12544, 1024)
+    rows = load_rows(train_path)
+    g = torch.Generator().manual_seed(0)
+    experiences = []
+    for i in range(8):  # different response lengths, one empty response
+        prompt = encoder.encode(rows[i], i // 2)
+        length = [0, 3, 7, 12, 5, 9, 2, 10][i]
+        ids = torch.randint(10, 600, (length,), generator=g).tolist()
+        rollout = Rollout(prompt=prompt, group_id=i // 2, response_ids=ids, response_text="", truncated=False)
+        experiences.append(
+            Experience(
+                rollout=rollout,
+                reward=0.0,
+                reward_components={},
+                # Off-policy old logprobs (ratio != 1, clipping active) and a reference for the KL.
+                old_logprobs=-6.5 + 0.5 * torch.randn(length, generator=g),
+                ref_logprobs=-6.5 + 0.5 * torch.randn(length, generator=g),
+                advantages=torch.randn(length, generator=g),
+            )
+        )
+    grads = {}
+    for mode in LOSS_AGG_MODES:
+        cfg = load_config(None, [
+            f"model.path={model_dir}", f"data.train_path={train_path}", f"algo.loss_agg_mode={mode}",
+            "algo.kl.coef=0.1", "algo.entropy_coef=0.01", "algo.dual_clip_c=3", "rollout.rollout_prompts=4",
+            f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0",
+        ])
+        torch.manual_seed(0)
+        backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=2)
+        buffer = ReplayBuffer(micro_batch_tokens, encoder.tokenizer.pad_token_id, seed=rank)
+        buffer.add(experiences[rank::world_size])
+
+        def record_then_step(step=backend.step):
+            grads[mode] = torch.cat([safe_get_full_grad(p).flatten().clone() for p in backend.module.parameters()])
+            return step()
+
+        backend.step = record_then_step
+        policy_update(backend, buffer, cfg, world_size, kl_coef=cfg.algo.kl.coef)
+    if rank == 0:
+        torch.save(grads, out_file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

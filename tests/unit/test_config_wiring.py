@@ -7,7 +7,7 @@ compares the parameter update with the baseline's.
 import pytest
 import torch
 
-from vlrft.config import load_config
+from vlrft.config import ConfigError, load_config
 
 RECIPE = (
     "def distinct_chars(completions, samples):\n"
@@ -225,6 +225,8 @@ def test_moe_aux_coef_adds_the_router_loss(setup, tiny_text):
     )
     Qwen2MoeForCausalLM(config).save_pretrained(moe_dir)
     AutoTokenizer.from_pretrained(tiny_text).save_pretrained(moe_dir)
+    with pytest.raises(ConfigError, match="'algo.moe_aux_coef' needs a mixture-of-experts model"):
+        build_trainer(setup[1] + ["algo.moe_aux_coef=0.5"])  # the dense tiny model has no router
     base = setup[1] + [f"model.path={moe_dir}"]
     plain, _ = update_after_one_step(base)
     trainer = build_trainer(base + ["algo.moe_aux_coef=0.5"])

@@ -17,9 +17,9 @@ def reward_shaper(cfg: Config):
     algo = cfg.algo
 
     def shape(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-        if algo.zero_reward_truncated:
-            rewards = zero_truncated(rewards, truncated)
-        return transform_rewards(rewards, algo.reward_bias, algo.reward_scale, algo.reward_clip)
+        rewards = transform_rewards(rewards, algo.reward_bias, algo.reward_scale, algo.reward_clip)
+        # After the transform, so a truncated response ends at exactly 0 whatever the bias.
+        return zero_truncated(rewards, truncated) if algo.zero_reward_truncated else rewards
 
     return shape
 

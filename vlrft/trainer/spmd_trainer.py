@@ -14,7 +14,7 @@ import torch
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
-from vlrft.config import Config, check_world_size, to_dict
+from vlrft.config import Config, ConfigError, check_world_size, to_dict
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
@@ -75,7 +75,12 @@ class SPMDTrainer:
                 total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
             )
 
-        self.backend = backend(load_model(cfg.model.path), cfg.train.lr)
+        policy = load_model(cfg.model.path)
+        if cfg.algo.moe_aux_coef > 0 and not hasattr(policy.config.get_text_config(), "output_router_logits"):
+            raise ConfigError(
+                f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
+            )
+        self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(load_value_model(cfg.critic.path or cfg.model.path), cfg.critic.lr) if cfg.critic.enabled else None
         self.engine = ENGINES.get(cfg.rollout.engine)(
             model_path=cfg.model.path, tokenizer=tokenizer, stop_ids=stop_ids, banned_ids=banned_token_ids(tokenizer)
@@ -236,7 +241,10 @@ class SPMDTrainer:
         self.logger.log(step, metrics)
 
     def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:
-        nonzero = all_reduce_sum(torch.tensor([float(sum(e.reward != 0 for e in experiences))]))
+        # A dense-only mix scores through dense_reward: any non-zero token reward counts.
+        nonzero = all_reduce_sum(
+            torch.tensor([float(sum(e.reward != 0 or any(e.dense_reward or []) for e in experiences))])
+        )
         if self.zero_reward_watch.update(all_zero=float(nonzero) == 0):
             raise RewardError(
                 f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "

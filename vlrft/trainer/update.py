@@ -101,7 +101,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
     sums = torch.zeros(7)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
     for i, (is_ptx, batch) in enumerate(work):
         mask = loss_mask(batch)  # [B, L]
-        out = policy_forward(backend.model, batch, temperature, moe_aux=algo.moe_aux_coef > 0 and not is_ptx)
+        # The supervised term is the NLL of the model itself: no sampling temperature.
+        out = policy_forward(backend.model, batch, 1.0 if is_ptx else temperature, moe_aux=algo.moe_aux_coef > 0 and not is_ptx)
         logp = out.logp  # [B, L]
         if is_ptx:
             nll = -(logp * mask).sum() / max(ptx_tokens, 1.0)

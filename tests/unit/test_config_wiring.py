@@ -16,6 +16,10 @@ RECIPE = (
     "def half_constant(completions, samples):\n"
     "    # rows with an even id digit score 0 whatever the response: all-equal groups\n"
     "    return [len(set(c)) / 10 * (int(s['id'][-1]) % 2) for c, s in zip(completions, samples)]\n"
+    "\n"
+    "def dense_first(completions, samples):\n"
+    "    # a per-token reward on the first response token only\n"
+    "    return [[0.3] + [0.0] * (s['response_length'] - 1) if s['response_length'] else [] for s in samples]\n"
 )
 
 
@@ -168,6 +172,11 @@ PAIRED = {
     "algo.kl.horizon": (["algo.kl.target=0.0001"], "algo.kl.horizon=10", 2),
     "algo.kl.ref_ema_eta": ([], "algo.kl.ref_ema_eta=0.5", 2),
     "rollout.generation_size": ([], "rollout.generation_size=8", 1),
+    "dense rewards (reinforce_pp)": (
+        ["algo.advantage=reinforce_pp"],
+        "reward.default=[{recipe: 'ROOT/recipe.py:distinct_chars'}, {recipe: 'ROOT/recipe.py:dense_first'}]",
+        1,
+    ),
     "rollout.dynamic_sampling": (HALF, "rollout.dynamic_sampling=true", 1),
     "rollout.max_sampling_rounds": (HALF + ["rollout.dynamic_sampling=true"], "rollout.max_sampling_rounds=1", 1),
     "critic.lr": (GAE, "critic.lr=0.01", 1),
@@ -203,7 +212,7 @@ def test_changing_key_changes_the_update_paired(name, setup, ptx_file):
         changed, _ = update_after_one_step(base)
     else:
         reference, _ = update_after_one_step(base, steps)
-        changed, _ = update_after_one_step(base + [change], steps)
+        changed, _ = update_after_one_step(base + [change.replace("ROOT", str(setup[0]))], steps)
     assert not torch.allclose(changed, reference, rtol=1e-3, atol=1e-7), name
 
 

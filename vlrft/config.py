@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = ""  # HF checkpoint directory of the policy (loaded with from_pretrained)
     ref_path: str = ""  # reference model checkpoint; empty = same as `path`
+    freeze_vision: bool = False  # train without updating the vision tower (policy and critic)
 
 
 @dataclass

@@ -32,6 +32,18 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return getattr(inner, "visual", None) or getattr(model, "visual", None)
 
 
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop gradients into the vision tower, found by module attribute (never by a parameter-
+    name prefix, which changes across transformers versions). Returns the frozen count."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError("the model has no vision tower to freeze")
+    tower.requires_grad_(False)
+    frozen = sum(p.numel() for p in tower.parameters())
+    assert frozen > 0 and all(not p.requires_grad for p in tower.parameters())
+    return frozen
+
+
 def banned_token_ids(tokenizer) -> list[int]:
     vocab = tokenizer.get_vocab()
     return [vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab]

@@ -23,7 +23,7 @@ from vlrft.engines import ENGINES
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
-from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
+from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix, component_name
 from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
@@ -80,8 +80,18 @@ class SPMDTrainer:
             raise ConfigError(
                 f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
             )
+        critic = load_value_model(cfg.critic.path or cfg.model.path) if cfg.critic.enabled else None
+        self.frozen_vision_parameters = 0
+        if cfg.model.freeze_vision:
+            if vision_tower(policy) is None:
+                raise ConfigError(f"config key 'model.freeze_vision': {cfg.model.path} has no vision tower")
+            self.frozen_vision_parameters = freeze_vision_tower(policy)
+            if critic is not None:
+                freeze_vision_tower(critic.backbone)
+            if self.rank == 0:
+                print(f"vlrft: froze {self.frozen_vision_parameters} vision-tower parameters (model.freeze_vision)")
         self.backend = backend(policy, cfg.train.lr)
-        self.critic = backend(load_value_model(cfg.critic.path or cfg.model.path), cfg.critic.lr) if cfg.critic.enabled else None
+        self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
         self.engine = ENGINES.get(cfg.rollout.engine)(
             model_path=cfg.model.path, tokenizer=tokenizer, stop_ids=stop_ids, banned_ids=banned_token_ids(tokenizer)
         )

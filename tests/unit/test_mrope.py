@@ -32,6 +32,6 @@ def test_forward_uses_mrope_positions(tiny_vl, colour_data):
         logits_1d = model(**inputs_1d).logits
     explicit = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     flat = torch.log_softmax(logits_1d[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    mask = batch.attention_mask[:, 1:].bool()
+    mask = batch.response_mask[:, 1:].bool()  # the forward scores response tokens
     assert (ours[:, 1:] - explicit)[mask].abs().max().item() <= 1e-5
     assert (flat - explicit)[mask].abs().max().item() > 1e-4  # 1-D positions really are different

@@ -160,11 +160,12 @@ class FastExperienceMaker:
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), s.pad_id)
         temperature = s.sampling.temperature
         out: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "kl": [], "values": []}
+        full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits
         for batch in batches:
-            policy = policy_forward(self.policy(), batch, temperature)
+            policy = policy_forward(self.policy(), batch, temperature, keep_logits=full)
             found = {"old": policy.logp}
             if self.reference is not None:
-                ref = policy_forward(self.reference, batch, temperature)
+                ref = policy_forward(self.reference, batch, temperature, keep_logits=full)
                 found["ref"] = ref.logp
                 if s.kl.estimator == FULL_KL:
                     found["kl"] = torch.nn.functional.pad(full_kl(policy.logits, ref.logits), (1, 0))

@@ -12,37 +12,64 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.algo.entropy import token_entropy
+from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
 from vlrft.types import MicroBatch
 
 
 @dataclass
 class ForwardOut:
-    logits: torch.Tensor  # [B, L-1, V] temperature-scaled; row p predicts token p+1
-    logp: torch.Tensor  # [B, L] logprob of each token given its prefix (0 at position 0)
-    aux_loss: torch.Tensor | None  # the MoE router's load-balancing loss, when requested
-
-    def entropy(self) -> torch.Tensor:
-        """Entropy of the sampling distribution at each token's position. [B, L]."""
-        return torch.nn.functional.pad(token_entropy(self.logits), (1, 0))
+    logp: torch.Tensor  # [B, L] logprob of each response token given its prefix (0 elsewhere)
+    entropy: torch.Tensor  # [B, L] entropy of the sampling distribution at each response token
+    logits: torch.Tensor | None = None  # [B, L-1, V] temperature-scaled, only with keep_logits
+    aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when requested
 
 
 def policy_forward(
-    model: torch.nn.Module, batch: MicroBatch, temperature: float, moe_aux: bool = False
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    temperature: float,
+    moe_aux: bool = False,
+    keep_logits: bool = False,
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> ForwardOut:
-    """Logits divided by the sampling temperature, so logprobs are those the engine sampled from."""
-    extra = {"output_router_logits": True} if moe_aux else {}
-    out = model(**batch.model_inputs(), use_cache=False, **extra)
-    logits = out.logits[:, :-1].float() / temperature  # [B, L-1, V] predicts tokens 1..L-1
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, L-1, 1]
-    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
-    aux = getattr(out, "aux_loss", None) if moe_aux else None
-    return ForwardOut(logits=logits, logp=torch.nn.functional.pad(logp, (1, 0)), aux_loss=aux)
+    """Logprobs and entropy at the response tokens, from logits divided by the sampling
+    temperature (so they are those of the distribution the engine sampled from).
+
+    By default the LM head runs only on the positions that predict response tokens, a chunk
+    at a time. `keep_logits` (the exact vocabulary KL) and `moe_aux` (the router loss comes
+    from the full HF forward) take the model's own full-logits forward instead.
+    """
+    scored = batch.response_mask[:, 1:].bool()  # [B, L-1] position p predicts response token p+1
+    targets = batch.input_ids[:, 1:]  # [B, L-1]
+    if keep_logits or moe_aux:
+        extra = {"output_router_logits": True} if moe_aux else {}
+        out = model(**batch.model_inputs(), use_cache=False, **extra)
+        logits = out.logits[:, :-1].float() / temperature  # [B, L-1, V]
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
+        entropy = token_entropy(logits)  # [B, L-1]
+        keep = scored.float()
+        return ForwardOut(
+            logp=_shift(logp * keep),
+            entropy=_shift(entropy * keep),
+            logits=logits if keep_logits else None,
+            aux_loss=getattr(out, "aux_loss", None) if moe_aux else None,
+        )
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    hidden = inner.model(**batch.model_inputs(), use_cache=False).last_hidden_state  # [B, L, H]
+    logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature)
+    logp = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, logp_sel)  # [B, L-1]
+    entropy = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, entropy_sel)  # [B, L-1]
+    return ForwardOut(logp=_shift(logp), entropy=_shift(entropy))
+
+
+def _shift(per_position: torch.Tensor) -> torch.Tensor:
+    """Values computed at position p (predicting token p+1) stored at the token's own position."""
+    return torch.nn.functional.pad(per_position, (1, 0))  # [B, L]
 
 
 def token_logprobs(
     model: torch.nn.Module, batch: MicroBatch, temperature: float, with_entropy: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each token given its prefix, at the token's own position ([B, L]); with
-    `with_entropy`, also the entropy at each token's position ([B, L], same logits)."""
+    """Response-token logprobs ([B, L], 0 elsewhere); with `with_entropy`, also the entropy."""
     out = policy_forward(model, batch, temperature)
-    return (out.logp, out.entropy()) if with_entropy else out.logp
+    return (out.logp, out.entropy) if with_entropy else out.logp

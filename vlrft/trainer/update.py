@@ -102,14 +102,20 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
     for i, (is_ptx, batch) in enumerate(work):
         mask = loss_mask(batch)  # [B, L]
         # The supervised term is the NLL of the model itself: no sampling temperature.
-        out = policy_forward(backend.model, batch, 1.0 if is_ptx else temperature, moe_aux=algo.moe_aux_coef > 0 and not is_ptx)
+        out = policy_forward(
+            backend.model,
+            batch,
+            1.0 if is_ptx else temperature,
+            moe_aux=algo.moe_aux_coef > 0 and not is_ptx,
+            keep_logits=kl_in_loss and estimator == FULL_KL and not is_ptx,
+        )
         logp = out.logp  # [B, L]
         if is_ptx:
             nll = -(logp * mask).sum() / max(ptx_tokens, 1.0)
             loss = algo.ptx_coef * nll
             sums[5] += nll.detach()
         else:
-            entropy = out.entropy() if need_entropy else torch.zeros_like(logp)
+            entropy = out.entropy if need_entropy else torch.zeros_like(logp)
             old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])  # [B, L]
             adv = scatter_responses(batch, [e.advantages for e in batch.samples])  # [B, L]
             pg, clip_hit = policy_loss(
@@ -125,7 +131,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             if kl_in_loss:
                 if estimator == FULL_KL:
                     with torch.no_grad():
-                        ref_logits = policy_forward(reference, batch, temperature).logits
+                        ref_logits = policy_forward(reference, batch, temperature, keep_logits=True).logits
                     kl = torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0))
                 else:
                     ref = scatter_responses(batch, [e.ref_logprobs for e in batch.samples])  # [B, L]

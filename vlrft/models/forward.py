@@ -59,6 +59,10 @@ def policy_forward(
     logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature)
     logp = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, logp_sel)  # [B, L-1]
     entropy = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, entropy_sel)  # [B, L-1]
+    if not scored.any():
+        # Nothing to score (empty responses): a zero still wired through the whole model, so the
+        # backward reaches every parameter on every rank, as the sharded backends expect.
+        logp = logp + 0.0 * inner.lm_head(hidden[:, :1]).float().sum()
     return ForwardOut(logp=_shift(logp), entropy=_shift(entropy))
 
 

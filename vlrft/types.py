@@ -58,14 +58,16 @@ class Experience:
 
 @dataclass
 class MicroBatch:
-    """Collated sequences for one forward pass (right-padded; packing comes later)."""
+    """Sequences for one forward pass: right-padded rows ([B, L]) or packed into one row
+    ([1, T], `seq_lengths` set, a block-diagonal causal attention mask [1, 1, T, T])."""
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
+    input_ids: torch.Tensor  # [B, L] or [1, T]
+    attention_mask: torch.Tensor  # [B, L] padding mask, or [1, 1, T, T] bool block-diagonal causal
     response_mask: torch.Tensor  # [B, L] 1 on response tokens (scored positions)
     mm_inputs: dict[str, torch.Tensor]  # pixel inputs concatenated in sample order; mm_token_type_ids [B, L]
-    samples: list[Any]  # the Experience (or Rollout) objects, in row order
+    samples: list[Any]  # the Experience (or Rollout) objects, in order
     dummy: bool = False  # a repeat that only keeps ranks in lock-step; contributes nothing
+    seq_lengths: list[int] | None = None  # packed: each sample's prompt+response length, in order
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.mm_inputs}

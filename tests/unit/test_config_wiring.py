@@ -115,7 +115,7 @@ def test_micro_batch_split_does_not_change_the_update(setup):
     whole, whole_norm = update_after_one_step(setup[1] + ["train.micro_batch_tokens=10000"])
     split, split_norm = update_after_one_step(setup[1] + ["train.micro_batch_tokens=1"])
     assert split_norm == pytest.approx(whole_norm, rel=1e-4)
-    torch.testing.assert_close(split, whole, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(split, whole, rtol=1e-3, atol=1e-4)  # lr 1e-3: a mis-weighting moves many by ~1e-3
 
 
 def test_entropy_mask_of_ratio_one_equals_no_mask(setup):

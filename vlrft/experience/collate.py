@@ -59,14 +59,25 @@ def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
     )
 
 
-def scatter_responses(batch: MicroBatch, values: list[torch.Tensor]) -> torch.Tensor:
-    """Place per-sample response tensors ([R_i] each) at their response positions. [B, L]."""
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    out[batch.response_mask.bool()] = torch.cat(values).float() if values else out[:0, 0]
+def gather_responses(batch: MicroBatch, per_token: torch.Tensor) -> list[torch.Tensor]:
+    """Each sample's response-token values from a per-token tensor of the batch. list of [R_i].
+
+    Response positions come in sample order in both layouts (padded rows, one packed row).
+    """
+    lengths = [len(rollout_of(s).response_ids) for s in batch.samples]
+    return list(torch.split(per_token[batch.response_mask.bool()], lengths))
+
+
+def pad_rows(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Left-aligned [R_i] tensors -> [N, width] with zeros after each row."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
     return out
 
 
-def gather_responses(batch: MicroBatch, per_token: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of scatter_responses: each sample's response-token values. list of [R_i]."""
-    mask = batch.response_mask.bool()
-    return [per_token[row][mask[row]] for row in range(per_token.shape[0])]
+def response_rows(batch: MicroBatch, per_token: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a micro-batch in the loss layout: one row per sample, its response
+    tokens left-aligned ([S, R]), whatever the batch layout."""
+    return pad_rows(gather_responses(batch, per_token))

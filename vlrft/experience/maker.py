@@ -13,8 +13,9 @@ from vlrft.algo.kl import FULL_KL, KL_ESTIMATORS, full_kl
 from vlrft.algo.shaping import best_of_n
 from vlrft.algo.value import ReturnStats
 from vlrft.engines.base import RolloutEngine, SamplingParams
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.replay_buffer import pad_micro_batch_count, split_by_tokens
+from vlrft.experience.collate import gather_responses, pad_rows
+from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
 from vlrft.rewards.mix import RewardMix
@@ -34,14 +35,6 @@ def completion_fields(rollout: Rollout) -> dict:
         "response_length": len(rollout.response_ids),
         "truncated": rollout.truncated,
     }
-
-
-def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Left-aligned [R_i] tensors -> [N, width] with zeros after each row."""
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
 
 
 @dataclass
@@ -155,7 +148,7 @@ class FastExperienceMaker:
         s = self.settings
         if not rollouts:
             raise ValueError("the experience pass needs at least one rollout on every rank")
-        batches = [collate(g, s.pad_id) for g in split_by_tokens(rollouts, s.micro_batch_tokens)]
+        batches = [pack(g) for g in split_by_token_budget(rollouts, s.micro_batch_tokens)]
         # Same number of forwards on every rank: sharded models gather inside forward.
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), s.pad_id)
         temperature = s.sampling.temperature

@@ -1,30 +1,14 @@
-"""ReplayBuffer: holds one step's experience and cuts it into token-budget micro-batches.
+"""ReplayBuffer: holds one step's experience and packs it into token-budget micro-batches.
 
-Micro-batches are right-padded for now (packing keeps this interface). A sample's pixel inputs
-travel with it, concatenated in sample order.
+A sample's pixel inputs travel with it, concatenated in sample order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vlrft.experience.collate import collate, sequence_length
+from vlrft.experience.packing import pack, split_by_token_budget
 from vlrft.types import Experience, MicroBatch
-
-
-def split_by_tokens(samples: list, micro_batch_tokens: int) -> list[list]:
-    """Greedy consecutive split so that rows * longest row <= budget (a lone long sample is allowed)."""
-    groups, current, longest = [], [], 0
-    for sample in samples:
-        length = sequence_length(sample)
-        if current and (len(current) + 1) * max(longest, length) > micro_batch_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(sample)
-        longest = max(longest, length)
-    if current:
-        groups.append(current)
-    return groups
 
 
 def pad_micro_batch_count(batches: list[MicroBatch], count: int, pad_id: int) -> list[MicroBatch]:
@@ -35,7 +19,7 @@ def pad_micro_batch_count(batches: list[MicroBatch], count: int, pad_id: int) ->
     """
     if not batches:
         raise ValueError("cannot pad an empty list of micro-batches")
-    extra = [collate(batches[-1].samples, pad_id, dummy=True) for _ in range(count - len(batches))]
+    extra = [pack(batches[-1].samples, dummy=True) for _ in range(count - len(batches))]
     return batches + extra
 
 
@@ -58,4 +42,4 @@ class ReplayBuffer:
     def micro_batches(self, shuffle: bool) -> list[MicroBatch]:
         order = torch.randperm(len(self.items), generator=self.generator).tolist() if shuffle else range(len(self))
         samples = [self.items[i] for i in order]
-        return [collate(group, self.pad_id) for group in split_by_tokens(samples, self.micro_batch_tokens)]
+        return [pack(group) for group in split_by_token_budget(samples, self.micro_batch_tokens)]

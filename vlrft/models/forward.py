@@ -7,11 +7,13 @@ first update.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from vlrft.algo.entropy import token_entropy
+from vlrft.experience.packing import forward_inputs
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
 from vlrft.types import MicroBatch
 
@@ -35,35 +37,36 @@ def policy_forward(
     """Logprobs and entropy at the response tokens, from logits divided by the sampling
     temperature (so they are those of the distribution the engine sampled from).
 
-    By default the LM head runs only on the positions that predict response tokens, a chunk
-    at a time. `keep_logits` (the exact vocabulary KL) and `moe_aux` (the router loss comes
-    from the full HF forward) take the model's own full-logits forward instead.
+    The decoder runs once; the LM head runs only on the positions that predict response
+    tokens, a chunk at a time, unless `keep_logits` (the exact vocabulary KL needs them all).
     """
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    extra = {"output_router_logits": True} if moe_aux else {}
+    base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
+    hidden = base.last_hidden_state  # [B, L, H]
+    aux = router_aux_loss(inner, base.router_logits) if moe_aux else None
     scored = batch.response_mask[:, 1:].bool()  # [B, L-1] position p predicts response token p+1
     targets = batch.input_ids[:, 1:]  # [B, L-1]
-    if keep_logits or moe_aux:
-        extra = {"output_router_logits": True} if moe_aux else {}
-        out = model(**batch.model_inputs(), use_cache=False, **extra)
-        logits = out.logits[:, :-1].float() / temperature  # [B, L-1, V]
+    if keep_logits:
+        logits = inner.lm_head(hidden[:, :-1]).float() / temperature  # [B, L-1, V]
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
-        entropy = token_entropy(logits)  # [B, L-1]
         keep = scored.float()
-        return ForwardOut(
-            logp=_shift(logp * keep),
-            entropy=_shift(entropy * keep),
-            logits=logits if keep_logits else None,
-            aux_loss=getattr(out, "aux_loss", None) if moe_aux else None,
-        )
-    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
-    hidden = inner.model(**batch.model_inputs(), use_cache=False).last_hidden_state  # [B, L, H]
-    logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature)
+        return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
+    logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature, chunk_tokens)
     logp = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, logp_sel)  # [B, L-1]
     entropy = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, entropy_sel)  # [B, L-1]
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect.
         logp = logp + 0.0 * inner.lm_head(hidden[:, :1]).float().sum()
-    return ForwardOut(logp=_shift(logp), entropy=_shift(entropy))
+    return ForwardOut(logp=_shift(logp), entropy=_shift(entropy), aux_loss=aux)
+
+
+def router_aux_loss(causal_lm: torch.nn.Module, router_logits) -> torch.Tensor:
+    """The MoE load-balancing loss, by the model's own function, over every token (packed
+    batches have no padding, so no mask is needed)."""
+    balance = sys.modules[type(causal_lm).__module__].load_balancing_loss_func
+    return balance(router_logits, causal_lm.num_experts, causal_lm.num_experts_per_tok, None)
 
 
 def _shift(per_position: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vlrft.experience.packing import forward_inputs
 from vlrft.models.loader import load_model
 from vlrft.types import MicroBatch
 
@@ -35,5 +36,6 @@ def load_value_model(path: str) -> ValueModel:
 
 def token_values(critic: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Value of the state before each token, at the token's own position (as logprobs). [B, L]."""
-    values = critic(**batch.model_inputs())  # [B, L] value after reading position p
+    inner = getattr(critic, "module", critic)  # a DeepSpeed engine wraps the value model
+    values = critic(**forward_inputs(inner.backbone, batch))  # [B, L] value after reading position p
     return torch.nn.functional.pad(values[:, :-1].float(), (1, 0))

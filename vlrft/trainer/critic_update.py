@@ -8,11 +8,11 @@ from vlrft.algo import aggregate
 from vlrft.algo.value import value_loss
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config
-from vlrft.experience.collate import scatter_responses
+from vlrft.experience.collate import response_rows
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.value_model import token_values
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
-from vlrft.trainer.update import loss_mask, step_normalisers
+from vlrft.trainer.update import loss_mask, sample_rows, step_normalisers
 
 
 def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int) -> dict[str, float]:
@@ -23,10 +23,10 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int) -
         total_tokens, total_seqs = step_normalisers(batches)
         sums = torch.zeros(4)  # loss share, token sums of: values, returns, squared error
         for i, batch in enumerate(batches):
-            mask = loss_mask(batch)  # [B, L]
-            values = token_values(backend.model, batch)  # [B, L]
-            old = scatter_responses(batch, [e.values for e in batch.samples])  # [B, L]
-            returns = scatter_responses(batch, [e.returns for e in batch.samples])  # [B, L]
+            mask = loss_mask(batch)  # [S, R]
+            values = response_rows(batch, token_values(backend.model, batch))  # [S, R]
+            old = sample_rows(batch, "values")  # [S, R]
+            returns = sample_rows(batch, "returns")  # [S, R]
             per_token = value_loss(values, old, returns, cfg.critic.value_clip)
             loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
             backend.backward(loss * world_size, boundary=i == len(batches) - 1)

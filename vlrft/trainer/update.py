@@ -11,19 +11,24 @@ from vlrft.algo.losses import policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config, kl_estimator_name
-from vlrft.experience.collate import collate, scatter_responses
-from vlrft.experience.replay_buffer import pad_micro_batch_count, split_by_tokens
+from vlrft.experience.collate import pad_rows, response_rows, rollout_of
+from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
 from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import MicroBatch, Rollout
 
 
 def loss_mask(batch: MicroBatch) -> torch.Tensor:
-    """Response tokens that count in the loss: not padding, not dummies, not masked out. [B, L]."""
-    if batch.dummy:
-        return torch.zeros(batch.response_mask.shape)
-    keep = torch.tensor([float(getattr(s, "in_loss", True)) for s in batch.samples])  # [B]
-    return batch.response_mask.float() * keep.unsqueeze(-1)
+    """Response tokens that count in the loss, in the loss layout (a row per sample, responses
+    left-aligned): not padding, not dummies, not masked out. [S, R]."""
+    keep = [0.0 if batch.dummy else float(getattr(s, "in_loss", True)) for s in batch.samples]
+    return pad_rows([torch.full((len(rollout_of(s).response_ids),), k) for s, k in zip(batch.samples, keep)])
+
+
+def sample_rows(batch: MicroBatch, field: str) -> torch.Tensor:
+    """A per-token Experience field ([R_i] each) in the loss layout. [S, R]."""
+    return pad_rows([getattr(e, field) for e in batch.samples])
 
 
 def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
@@ -41,9 +46,9 @@ def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[
     """Mean importance ratio and approximate KL to the rollout policy over all valid tokens."""
     sums = torch.zeros(3)
     for batch in batches:
-        mask = loss_mask(batch)
-        logp = policy_forward(model, batch, temperature).logp
-        old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])
+        mask = loss_mask(batch)  # [S, R]
+        logp = response_rows(batch, policy_forward(model, batch, temperature).logp)  # [S, R]
+        old = sample_rows(batch, "old_logprobs")  # [S, R]
         ratio = torch.exp((logp - old).clamp(-20, 20))
         sums += torch.stack([(ratio * mask).sum(), (approx_kl(logp, old) * mask).sum(), mask.sum()])
     ratio_sum, kl_sum, count = all_reduce_sum(sums).tolist()
@@ -54,7 +59,7 @@ def ptx_batches(examples: list[Rollout], micro_batch_tokens: int, pad_id: int) -
     """This step's supervised micro-batches (same count on every rank) and the global token count."""
     if not all_reduce_max_int(len(examples)):
         return [], 0.0
-    batches = [collate(g, pad_id) for g in split_by_tokens(examples, micro_batch_tokens)]
+    batches = [pack(g) for g in split_by_token_budget(examples, micro_batch_tokens)]
     batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), pad_id)
     tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches)], dtype=torch.float32))
     return batches, float(tokens)
@@ -100,7 +105,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
     step_loss = torch.zeros(1)  # sum of micro-batch shares = this step's loss
     sums = torch.zeros(7)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
     for i, (is_ptx, batch) in enumerate(work):
-        mask = loss_mask(batch)  # [B, L]
+        mask = loss_mask(batch)  # [S, R] the loss layout: a row per sample, responses left-aligned
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -109,15 +114,15 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             moe_aux=algo.moe_aux_coef > 0 and not is_ptx,
             keep_logits=kl_in_loss and estimator == FULL_KL and not is_ptx,
         )
-        logp = out.logp  # [B, L]
+        logp = response_rows(batch, out.logp)  # [S, R]
         if is_ptx:
             nll = -(logp * mask).sum() / max(ptx_tokens, 1.0)
             loss = algo.ptx_coef * nll
             sums[5] += nll.detach()
         else:
-            entropy = out.entropy if need_entropy else torch.zeros_like(logp)
-            old = scatter_responses(batch, [e.old_logprobs for e in batch.samples])  # [B, L]
-            adv = scatter_responses(batch, [e.advantages for e in batch.samples])  # [B, L]
+            entropy = response_rows(batch, out.entropy) if need_entropy else torch.zeros_like(logp)  # [S, R]
+            old = sample_rows(batch, "old_logprobs")  # [S, R]
+            adv = sample_rows(batch, "advantages")  # [S, R]
             pg, clip_hit = policy_loss(
                 algo.policy_loss, logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c
             )
@@ -132,10 +137,9 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
                 if estimator == FULL_KL:
                     with torch.no_grad():
                         ref_logits = policy_forward(reference, batch, temperature, keep_logits=True).logits
-                    kl = torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0))
+                    kl = response_rows(batch, torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0)))
                 else:
-                    ref = scatter_responses(batch, [e.ref_logprobs for e in batch.samples])  # [B, L]
-                    kl = KL_ESTIMATORS.get(estimator)(logp, ref)
+                    kl = KL_ESTIMATORS.get(estimator)(logp, sample_rows(batch, "ref_logprobs"))  # [S, R]
                 token_loss = token_loss + kl_coef * kl
             loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
             if out.aux_loss is not None:

@@ -13,6 +13,7 @@ from vlrft.algo.kl import FULL_KL, KL_ESTIMATORS, full_kl
 from vlrft.algo.shaping import best_of_n
 from vlrft.algo.value import ReturnStats
 from vlrft.engines.base import RolloutEngine, SamplingParams
+from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.collate import gather_responses, pad_rows
 from vlrft.experience.packing import pack, split_by_token_budget
 from vlrft.experience.replay_buffer import pad_micro_batch_count
@@ -53,6 +54,7 @@ class MakerSettings:
     advantages: AdvantageOptions = field(default_factory=AdvantageOptions)
     kl: KLSettings = field(default_factory=KLSettings)
     mask_truncated: bool = False
+    image_check: ImageTokenCheck | None = None  # drops samples whose image tokens mismatch their pixels
 
 
 class FastExperienceMaker:
@@ -97,6 +99,7 @@ class FastExperienceMaker:
         """Old/ref logprobs, values and advantages for scored experiences (a collective: every
         rank calls it once per step). Returns the experiences and rollout KL metrics."""
         s = self.settings
+        experiences, skipped = self._drop_bad_samples(experiences)
         rollouts = [e.rollout for e in experiences]
         per_token = self.forward_pass(rollouts)
         width = max((len(r.response_ids) for r in rollouts), default=0)
@@ -107,6 +110,8 @@ class FastExperienceMaker:
         )  # [N]
         token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
         metrics: dict[str, float] = {}
+        if s.image_check is not None:
+            metrics["rollout/skipped_samples"] = float(all_reduce_sum(torch.tensor([float(skipped)])))
         if self.reference is not None:
             kl = pad_rows(per_token["kl"], width)  # [N, R] rollout policy vs reference
             if s.kl.placement == "reward":
@@ -140,6 +145,20 @@ class FastExperienceMaker:
                 e.returns = returns[i, :n].clone()
             e.in_loss = e.in_loss and not (s.mask_truncated and e.rollout.truncated)
         return experiences, metrics
+
+    def _drop_bad_samples(self, experiences: list[Experience]) -> tuple[list[Experience], int]:
+        """Samples whose forward would fail (image tokens vs pixel patches) are named and dropped."""
+        check = self.settings.image_check
+        if check is None:
+            return experiences, 0
+        kept = []
+        for e in experiences:
+            problem = check.problem(e)
+            if problem is None:
+                kept.append(e)
+            else:
+                print(f"vlrft: dropping a rollout: {problem}", flush=True)
+        return kept, len(experiences) - len(kept)
 
     @torch.no_grad()
     def forward_pass(self, rollouts: list[Rollout]) -> dict[str, list[torch.Tensor]]:

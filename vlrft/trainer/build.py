@@ -43,7 +43,7 @@ def kl_controller(cfg: Config) -> FixedKLController:
     return FixedKLController(kl.coef)
 
 
-def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController) -> MakerSettings:
+def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController, image_check=None) -> MakerSettings:
     rollout = cfg.rollout
     return MakerSettings(
         sampling=SamplingParams(
@@ -58,4 +58,5 @@ def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController) -> M
         advantages=advantage_options(cfg),
         kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
         mask_truncated=cfg.algo.mask_truncated,
+        image_check=image_check,
     )

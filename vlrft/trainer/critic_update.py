@@ -12,14 +12,17 @@ from vlrft.experience.collate import response_rows
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.value_model import token_values
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
-from vlrft.trainer.update import loss_mask, sample_rows, step_normalisers
+from vlrft.trainer.update import drop_bad_micro_batches, loss_mask, sample_rows, step_normalisers
 
 
-def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int) -> dict[str, float]:
+def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, image_check=None) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for _ in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
+        batches, _ = drop_bad_micro_batches(batches, image_check)
+        if not batches:
+            continue
         total_tokens, total_seqs = step_normalisers(batches)
         sums = torch.zeros(4)  # loss share, token sums of: values, returns, squared error
         for i, batch in enumerate(batches):

@@ -20,6 +20,7 @@ from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES
+from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
@@ -90,6 +91,7 @@ class SPMDTrainer:
                 freeze_vision_tower(critic.backbone)
             if self.rank == 0:
                 print(f"vlrft: froze {self.frozen_vision_parameters} vision-tower parameters (model.freeze_vision)")
+        self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
         self.engine = ENGINES.get(cfg.rollout.engine)(
@@ -112,7 +114,7 @@ class SPMDTrainer:
             reference=self.reference,
             rewards=self.rewards,
             shape_rewards=reward_shaper(cfg),
-            settings=maker_settings(cfg, self.pad_id, self.kl_controller),
+            settings=maker_settings(cfg, self.pad_id, self.kl_controller, self.image_check),
             critic=(lambda: self.critic.model) if self.critic is not None else None,
             return_stats=self.return_stats,
         )
@@ -169,12 +171,13 @@ class SPMDTrainer:
         metrics |= self._rollout_metrics(generated) | kl_metrics
         self._check_rewards_not_all_zero(generated)
         if self.critic is not None:
-            metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size)
+            metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
         if self.step > cfg.critic.freeze_actor_steps:
             metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
             ptx = self.ptx.next_examples() if self.ptx is not None else []
             metrics |= policy_update(
-                self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx
+                self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
+                self.image_check,
             )
             self._sync_weights()
         if self.reference is not None:

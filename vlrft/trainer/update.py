@@ -31,6 +31,22 @@ def sample_rows(batch: MicroBatch, field: str) -> torch.Tensor:
     return pad_rows([getattr(e, field) for e in batch.samples])
 
 
+def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[MicroBatch], int]:
+    """Remove micro-batches that would crash the forward (a sample's image tokens do not match
+    its pixel patches). The decision is all-reduced: a micro-batch index bad on any rank is
+    skipped on every rank, so the ranks keep running the same collectives."""
+    if check is None:
+        return batches, 0
+    local = torch.zeros(len(batches))
+    for i, batch in enumerate(batches):
+        problem = None if batch.dummy else check.first_problem(batch.samples)
+        if problem is not None:
+            print(f"vlrft: skipping a micro-batch: {problem}", flush=True)
+            local[i] = 1.0
+    bad = (all_reduce_sum(local) > 0).tolist()
+    return [b for b, skip in zip(batches, bad) if not skip], int(sum(bad))
+
+
 def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
     """(valid tokens, sequences) in the loss over all micro-batches and all ranks."""
     local = torch.zeros(2)
@@ -73,15 +89,21 @@ def policy_update(
     kl_coef: float = 0.0,
     reference: torch.nn.Module | None = None,
     ptx: list[Rollout] = (),
+    image_check=None,
 ) -> dict[str, float]:
     """`ppo_epochs` optimizer steps over the buffer. `kl_coef` is the controller's current beta
-    (used when the KL is in the loss); `ptx` are this rank's supervised examples for the step."""
+    (used when the KL is in the loss); `ptx` are this rank's supervised examples for the step;
+    `image_check` (an ImageTokenCheck) guards each micro-batch before its forward."""
     algo = cfg.algo
     metrics: dict[str, float] = {}
-    epochs_run = 0
+    epochs_run = skipped = 0
     for epoch in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
+        batches, bad = drop_bad_micro_batches(batches, image_check)
+        skipped += bad
+        if not batches:
+            continue
         if epoch > 0 and (algo.early_stop_ratio > 0 or algo.target_kl > 0):
             ratio, kl = policy_drift(backend.model, batches, cfg.rollout.temperature)
             metrics |= {"train/drift_ratio": ratio, "train/drift_kl": kl}
@@ -91,6 +113,7 @@ def policy_update(
         metrics |= _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
         epochs_run += 1
     metrics["train/epochs_run"] = float(epochs_run)
+    metrics["train/skipped_micro_batches"] = float(skipped)
     return metrics
 
 

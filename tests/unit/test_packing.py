@@ -108,3 +108,16 @@ def test_packed_critic_values_equal_per_sample(mixed_rollouts, tiny_vl):
             alone = collate([rollout], pad_id=0)
             single = gather_responses(alone, token_values(critic, alone))[0]
             assert (packed[i] - single).abs().max() <= 1e-5
+
+
+def test_packed_text_forward_equals_per_sample(tiny_text, addition_data):
+    encoder = PromptEncoder(tiny_text, 3136, 12544, 512)
+    rows = load_rows(addition_data / "train.jsonl")[:3]
+    rollouts = [Rollout(encoder.encode(r, i), i, [7 + i] * n, "", False) for i, (r, n) in enumerate(zip(rows, [1, 30, 9]))]
+    model = load_model(tiny_text).eval()
+    with torch.no_grad():
+        batch = pack(rollouts)
+        packed = gather_responses(batch, policy_forward(model, batch, 1.0).logp)
+        for i, rollout in enumerate(rollouts):
+            alone = collate([rollout], pad_id=0)
+            assert (packed[i] - gather_responses(alone, policy_forward(model, alone, 1.0).logp)[0]).abs().max() <= 1e-5

@@ -55,7 +55,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
         ])
         torch.manual_seed(0)
         backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=2)
-        buffer = ReplayBuffer(micro_batch_tokens, encoder.tokenizer.pad_token_id, seed=rank)
+        buffer = ReplayBuffer(micro_batch_tokens, seed=rank)
         buffer.add(experiences[rank::world_size])
 
         def record_then_step(step=backend.step):

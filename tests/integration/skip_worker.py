@@ -38,7 +38,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
                              "train.micro_batch_tokens=1"])  # one sample per micro-batch
     backend = DeepSpeedBackend(model, lr=1e-2, weight_decay=0.0, grad_clip=1.0, zero_stage=2)
     before = [p.detach().clone() for p in backend.module.parameters()]
-    buffer = ReplayBuffer(1, 0, seed=0)
+    buffer = ReplayBuffer(1, seed=0)
     buffer.micro_batches = lambda shuffle: [pack([e]) for e in experiences]  # fixed order: index 0 is bad on rank 1
     metrics = policy_update(backend, buffer, cfg, world_size, image_check=check)
     moved = any(not torch.equal(a, p) for a, p in zip(before, backend.module.parameters()))

@@ -30,7 +30,7 @@ def test_experience_values_equal_the_critic_forward_with_images(tiny_vl, colour_
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
     assert prompts[0].mm_inputs  # the image path
     experiences, _ = trainer.maker.make(prompts)
-    batch = collate(experiences, trainer.pad_id)
+    batch = collate(experiences, pad_id=0)
     with torch.no_grad():
         fresh = gather_responses(batch, token_values(trainer.critic.model, batch))
     for e, v in zip(experiences, fresh):

@@ -50,7 +50,6 @@ class MakerSettings:
     sampling: SamplingParams  # n = responses generated per prompt
     keep_per_prompt: int  # best-of-n keeps this many per prompt (== sampling.n: keep all)
     micro_batch_tokens: int
-    pad_id: int
     advantages: AdvantageOptions = field(default_factory=AdvantageOptions)
     kl: KLSettings = field(default_factory=KLSettings)
     mask_truncated: bool = False
@@ -169,7 +168,7 @@ class FastExperienceMaker:
             raise ValueError("the experience pass needs at least one rollout on every rank")
         batches = [pack(g) for g in split_by_token_budget(rollouts, s.micro_batch_tokens)]
         # Same number of forwards on every rank: sharded models gather inside forward.
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), s.pad_id)
+        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
         temperature = s.sampling.temperature
         out: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "kl": [], "values": []}
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits

@@ -11,7 +11,7 @@ from vlrft.experience.packing import pack, split_by_token_budget
 from vlrft.types import Experience, MicroBatch
 
 
-def pad_micro_batch_count(batches: list[MicroBatch], count: int, pad_id: int) -> list[MicroBatch]:
+def pad_micro_batch_count(batches: list[MicroBatch], count: int) -> list[MicroBatch]:
     """Append dummy repeats up to `count`, so every rank runs the same number of forwards.
 
     ZeRO-3 gathers parameters inside each forward and ZeRO-2 reduces gradients inside each
@@ -24,9 +24,8 @@ def pad_micro_batch_count(batches: list[MicroBatch], count: int, pad_id: int) ->
 
 
 class ReplayBuffer:
-    def __init__(self, micro_batch_tokens: int, pad_id: int, seed: int):
+    def __init__(self, micro_batch_tokens: int, seed: int):
         self.micro_batch_tokens = micro_batch_tokens
-        self.pad_id = pad_id
         self.generator = torch.Generator().manual_seed(seed)
         self.items: list[Experience] = []
 

@@ -43,7 +43,7 @@ def kl_controller(cfg: Config) -> FixedKLController:
     return FixedKLController(kl.coef)
 
 
-def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController, image_check=None) -> MakerSettings:
+def maker_settings(cfg: Config, controller: FixedKLController, image_check=None) -> MakerSettings:
     rollout = cfg.rollout
     return MakerSettings(
         sampling=SamplingParams(
@@ -54,7 +54,6 @@ def maker_settings(cfg: Config, pad_id: int, controller: FixedKLController, imag
         ),
         keep_per_prompt=rollout.n_samples_per_prompt,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        pad_id=pad_id,
         advantages=advantage_options(cfg),
         kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
         mask_truncated=cfg.algo.mask_truncated,

@@ -19,7 +19,7 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
     metrics: dict[str, float] = {}
     for _ in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
+        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
         batches, _ = drop_bad_micro_batches(batches, image_check)
         if not batches:
             continue

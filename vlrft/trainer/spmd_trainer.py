@@ -54,7 +54,6 @@ class SPMDTrainer:
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
         stop_ids = stop_token_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         self.train_rows = load_rows(cfg.data.train_path)
         eval_rows = load_rows(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})
@@ -114,7 +113,7 @@ class SPMDTrainer:
             reference=self.reference,
             rewards=self.rewards,
             shape_rewards=reward_shaper(cfg),
-            settings=maker_settings(cfg, self.pad_id, self.kl_controller, self.image_check),
+            settings=maker_settings(cfg, self.kl_controller, self.image_check),
             critic=(lambda: self.critic.model) if self.critic is not None else None,
             return_stats=self.return_stats,
         )
@@ -122,7 +121,7 @@ class SPMDTrainer:
         self.policy_ema = None
         if cfg.train.ema_beta > 0:
             self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.backend.named_full_parameters()}
-        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, self.pad_id, seed=cfg.train.seed + self.rank)
+        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank)
         self.sampler = PromptSampler(
             len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
         )

@@ -71,12 +71,12 @@ def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[
     return ratio_sum / max(count, 1.0), kl_sum / max(count, 1.0)
 
 
-def ptx_batches(examples: list[Rollout], micro_batch_tokens: int, pad_id: int) -> tuple[list[MicroBatch], float]:
+def ptx_batches(examples: list[Rollout], micro_batch_tokens: int) -> tuple[list[MicroBatch], float]:
     """This step's supervised micro-batches (same count on every rank) and the global token count."""
     if not all_reduce_max_int(len(examples)):
         return [], 0.0
     batches = [pack(g) for g in split_by_token_budget(examples, micro_batch_tokens)]
-    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), pad_id)
+    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
     tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches)], dtype=torch.float32))
     return batches, float(tokens)
 
@@ -99,7 +99,7 @@ def policy_update(
     epochs_run = skipped = 0
     for epoch in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)), buffer.pad_id)
+        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
         batches, bad = drop_bad_micro_batches(batches, image_check)
         skipped += bad
         if not batches:
@@ -109,7 +109,7 @@ def policy_update(
             metrics |= {"train/drift_ratio": ratio, "train/drift_kl": kl}
             if should_stop_early(ratio, kl, algo.early_stop_ratio, algo.target_kl):
                 break
-        extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens, buffer.pad_id)
+        extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)
         metrics |= _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
         epochs_run += 1
     metrics["train/epochs_run"] = float(epochs_run)

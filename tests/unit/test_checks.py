@@ -21,3 +21,16 @@ def test_image_token_check(tiny_vl, tiny_text, colour_data):
         "sample 'color_shapes-train-00000' has 5 image tokens but its images give 4 (image_grid_thw)"
     )
     assert check.first_problem([good, generated_pad, good]) == check.problem(generated_pad)
+
+
+def test_experience_pass_drops_and_counts_a_bad_rollout(tiny_vl, colour_data, tmp_path, world_of_one, capsys):
+    from tests.unit.test_logprob_consistency import build_trainer
+
+    trainer = build_trainer(tiny_vl, colour_data, tmp_path)  # KL on: rollout/kl is reported too
+    prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
+    scored = trainer.maker.generate_and_score(prompts)
+    scored[0].rollout.response_ids = scored[0].rollout.response_ids + [trainer.image_check.image_token_id]
+    experiences, metrics = trainer.maker.finish(scored)
+    assert len(experiences) == len(scored) - 1 and scored[0] not in experiences
+    assert metrics["rollout/skipped_samples"] == 1 and "rollout/kl" in metrics
+    assert f"dropping a rollout: sample {scored[0].rollout.prompt.id!r} has 5 image tokens" in capsys.readouterr().out

@@ -116,7 +116,7 @@ class FastExperienceMaker:
             if s.kl.placement == "reward":
                 token_terms = token_terms - s.kl.coef() * kl
             seq_kl, count = all_reduce_sum(torch.tensor([(kl * mask).sum().item(), float(len(rollouts))])).tolist()
-            metrics = {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
+            metrics |= {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
         values = None
         if self.critic is not None:
             values = pad_rows(per_token["values"], width)  # [N, R] critic outputs

@@ -7,10 +7,26 @@ import re
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (braces balanced, so \\frac{1}{2} survives), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None  # unbalanced: no answer
+
+
 def extract_answer(text: str) -> str:
-    """The content of the last <answer>...</answer> tag, or the whole text when there is none."""
+    """The last <answer>...</answer> tag's content (else the whole text), then, if that holds a
+    \\boxed{...}, the last box's content."""
     found = _ANSWER_TAG.findall(text)
-    return found[-1] if found else text
+    answer = found[-1] if found else text
+    boxed = last_boxed(answer)
+    return boxed if boxed is not None else answer
 
 
 def normalise(text: str) -> str:

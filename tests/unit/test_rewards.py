@@ -40,7 +40,7 @@ def test_mix_per_data_source_with_weights_and_components(tmp_path):
 
 
 def test_unknown_recipe_lists_builtins():
-    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; built-ins: answer_format, exact_match, soft_overlong_penalty"):
+    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; built-ins: answer_format, counting, exact_match, grounding_iou, multiple_choice"):
         resolve_recipe("exactmatch")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_recipe("no_such_pkg.mod:fn")

@@ -28,6 +28,10 @@ BUILTIN_RECIPES = {
     "exact_match": "reward_recipes.answer_match:exact_match",
     "answer_format": "reward_recipes.format:answer_tag_format",
     "soft_overlong_penalty": "reward_recipes.overlong:soft_overlong_penalty",
+    "multiple_choice": "reward_recipes.choice:multiple_choice",
+    "counting": "reward_recipes.choice:counting",
+    "grounding_iou": "reward_recipes.grounding:grounding_iou",
+    "repetition_penalty": "reward_recipes.repetition:repetition_penalty",
 }
 
 

@@ -1,0 +1,39 @@
+"""Multiple choice and counting: answers read from the extracted answer text."""
+
+from __future__ import annotations
+
+import re
+
+from reward_recipes.answer_match import extract_answer
+
+# "(B)", "B.", "B)", "B:" or a lone "B", as a word of its own.
+_CHOICE = re.compile(r"(?<![A-Za-z])\(?([A-Z])\)?(?:[.):]|(?![A-Za-z]))")
+_NUMBER_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve".split())}
+_INTEGER = re.compile(r"-?\d+")
+
+
+def chosen_letter(text: str) -> str | None:
+    """The option letter a response picked: the last standalone capital letter of its answer."""
+    found = _CHOICE.findall(extract_answer(text))
+    return found[-1] if found else None
+
+
+def multiple_choice(completions: list[str], samples: list[dict]) -> list[float]:
+    """1.0 when the picked letter equals the sample's answer letter (e.g. "B"), else 0.0."""
+    return [1.0 if chosen_letter(c) == str(s["answer"]).strip().strip("()").upper() else 0.0
+            for c, s in zip(completions, samples)]
+
+
+def read_count(text: str) -> int | None:
+    """The last integer (digits or an English number word up to twelve) in the answer, or None."""
+    answer = extract_answer(text).lower()
+    tokens = re.findall(r"-?\d+|[a-z]+", answer)
+    values = [int(t) if _INTEGER.fullmatch(t) else _NUMBER_WORDS.get(t) for t in tokens]
+    values = [v for v in values if v is not None]
+    return values[-1] if values else None
+
+
+def counting(completions: list[str], samples: list[dict]) -> list[float]:
+    """1.0 when the counted number equals the sample's integer answer, else 0.0 (unreadable: 0)."""
+    return [1.0 if read_count(c) == int(s["answer"]) else 0.0 for c, s in zip(completions, samples)]

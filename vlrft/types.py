@@ -55,6 +55,11 @@ class Experience:
     returns: torch.Tensor | None = None  # [R] critic targets (same space as values)
     in_loss: bool = True  # False: kept for bookkeeping only (mask_truncated, placeholders)
 
+    @property
+    def total_reward(self) -> float:
+        """The scalar reward plus the sum of any dense (per-token) reward: what filters rank by."""
+        return self.reward + sum(self.dense_reward or [])
+
 
 @dataclass
 class MicroBatch:

@@ -100,6 +100,13 @@ def gae_advantages(
     return advantages, (advantages + values) * mask
 
 
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, reduce_sum=lambda t: t) -> tuple[float, float, float]:
+    """(count, sum, sum of squares) of the valid entries, summed over ranks by `reduce_sum`."""
+    mask = mask.to(x.dtype)
+    count, total, squares = reduce_sum(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()])).tolist()
+    return count, total, squares
+
+
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, reduce_sum=lambda t: t, eps: float = 1e-8
 ) -> torch.Tensor:
@@ -109,7 +116,7 @@ def masked_whiten(
     statistics; var uses Bessel's correction.
     """
     mask = mask.to(x.dtype)
-    count, total, squares = reduce_sum(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()])).tolist()
+    count, total, squares = masked_moments(x, mask, reduce_sum)
     if count < 2:
         return x * mask  # one value has no spread to normalise by
     mean = total / count

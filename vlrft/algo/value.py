@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from vlrft.algo.advantages import masked_moments
+
 VALUE_NORMS = ("none", "exp", "ma")
 
 
@@ -32,8 +34,7 @@ class ReturnStats:
         self.mean_acc = self.sq_acc = self.weight = 0.0
 
     def update(self, x: torch.Tensor, mask: torch.Tensor, reduce_sum=lambda t: t) -> None:
-        mask = mask.to(x.dtype)
-        count, total, squares = reduce_sum(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()])).tolist()
+        count, total, squares = masked_moments(x, mask, reduce_sum)
         if count == 0:
             return
         if self.mode == "exp":

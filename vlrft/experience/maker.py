@@ -89,7 +89,7 @@ class FastExperienceMaker:
         )
         experiences = [Experience(r, totals[i], components[i], dense[i]) for i, r in enumerate(rollouts)]
         if s.keep_per_prompt < s.sampling.n:
-            scores = torch.tensor([e.reward + sum(e.dense_reward or []) for e in experiences])
+            scores = torch.tensor([e.total_reward for e in experiences])
             group_ids = torch.tensor([r.group_id for r in rollouts])
             experiences = [experiences[i] for i in best_of_n(scores, group_ids, s.keep_per_prompt).tolist()]
         return experiences

@@ -202,7 +202,7 @@ class SPMDTrainer:
             rounds += 1
             if not rollout.dynamic_sampling:
                 return scored, generated, {}
-            rewards = torch.tensor([e.reward + sum(e.dense_reward or []) for e in scored])
+            rewards = torch.tensor([e.total_reward for e in scored])
             spread = groups_with_spread(rewards, torch.tensor([e.rollout.group_id for e in scored]))
             kept += [e for e, keep in zip(scored, spread.tolist()) if keep]
             deficit = max(target - len({e.rollout.group_id for e in kept}), 0)

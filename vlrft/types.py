@@ -24,6 +24,7 @@ class Prompt:
     # models. The model computes 3-D M-RoPE positions only when it receives these.
     mm_token_types: list[int] = field(default_factory=list)
     index: int = -1  # position in the run's prompt stream (unique); the group id of its responses
+    messages: list = field(default_factory=list)  # the row's chat messages (reward models re-template them)
 
 
 @dataclass

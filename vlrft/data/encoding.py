@@ -46,21 +46,30 @@ class PromptEncoder:
         return _load_image_pil(path)
 
     def encode(self, row: dict, index: int) -> Prompt:
+        """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
+        where = f"row id {row['id']!r}"
+        paths = image_paths(row)
+        if paths and self.image_processor is None:
+            raise DataError(f"{where} has images but the model checkpoint has no image processor")
+        images = []
+        for path in paths:
+            try:
+                images.append(self.load_image(path))
+            except (OSError, UnidentifiedImageError) as err:
+                raise DataError(f"{where}: cannot read image {path} ({err})") from None
+        return self.encode_with_images(row, images, index)
+
+    def encode_with_images(self, row: dict, images: list[Image.Image], index: int) -> Prompt:
+        """A row whose image parts are already loaded as `images` (in order) -> Prompt."""
         where = f"row id {row['id']!r}"
         text = self.tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-        paths = image_paths(row)
-        images, mm_inputs = [], {}
-        if paths:
+        mm_inputs = {}
+        if images:
             if self.image_processor is None:
                 raise DataError(f"{where} has images but the model checkpoint has no image processor")
-            for path in paths:
-                try:
-                    images.append(self.load_image(path))
-                except (OSError, UnidentifiedImageError) as err:
-                    raise DataError(f"{where}: cannot read image {path} ({err})") from None
             size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
             mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
-        expanded = self._expand_image_pads(text, mm_inputs, where, len(paths))
+        expanded = self._expand_image_pads(text, mm_inputs, where, len(images))
         ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
         image_pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         token_types = [int(t == image_pad) for t in ids] if self.image_processor is not None else []
@@ -77,6 +86,7 @@ class PromptEncoder:
             mm_inputs=mm_inputs,
             mm_token_types=token_types,
             index=index,
+            messages=row["messages"],
         )
 
     def _expand_image_pads(self, text: str, mm_inputs: dict, where: str, n_images: int) -> str:

@@ -25,8 +25,28 @@ from vlrft.types import Experience, Prompt, Rollout
 
 
 def sample_fields(prompt: Prompt) -> dict:
-    """What a reward recipe sees of a completion's row."""
-    return {"id": prompt.id, "answer": prompt.answer, "data_source": prompt.data_source, "meta": prompt.meta}
+    """What a reward recipe sees of a completion's row (docs/reward_recipes.md lists the keys)."""
+    return {
+        "id": prompt.id,
+        "answer": prompt.answer,
+        "data_source": prompt.data_source,
+        "meta": prompt.meta,
+        "messages": prompt.messages,
+        "prompt": prompt_text_of(prompt.messages),
+        "images": prompt.images,
+    }
+
+
+def prompt_text_of(messages: list[dict]) -> str:
+    """The text parts of the user's messages, joined: the question a verifier or judge reads."""
+    texts = []
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        texts += [part["text"] for part in parts if part.get("type") == "text"]
+    return "\n".join(texts)
 
 
 def completion_fields(rollout: Rollout) -> dict:

@@ -7,6 +7,7 @@ keys, so a typo can never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +132,12 @@ class TrainConfig:
 
 @dataclass
 class RecipeSpec:
-    recipe: str = ""  # registry name, "pkg.mod:fn" or "path/to/file.py:fn"
+    recipe: str = ""  # built-in or plugin name, "pkg.mod:fn" or "path/to/file.py:fn"
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    name: str = ""  # component name in metrics; empty = the recipe's function name
+    timeout_s: float = 60.0  # a call still running after this fails (the loop goes on)
+    fallback: float | None = None  # score of every completion of a failed call; None = not applicable
 
 
 @dataclass
@@ -187,6 +191,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # only `X | None` is used
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(inner, value, where)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if origin is list:
@@ -296,12 +303,32 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
     if cfg.data.min_pixels > cfg.data.max_pixels:
         raise ConfigError("config key 'data.min_pixels' must be <= 'data.max_pixels'")
-    for source, mix in {"default": cfg.reward.default, **cfg.reward.by_data_source}.items():
+    _validate_rewards(cfg.reward)
+
+
+def _validate_rewards(reward: RewardConfig) -> None:
+    from vlrft.rewards.loading import resolve_recipe  # imports the recipes: unknown names fail here
+
+    for source, mix in {"default": reward.default, **reward.by_data_source}.items():
         if not mix:
             raise ConfigError(f"reward mix '{source}' is empty; give at least one recipe")
+        names = set()
         for spec in mix:
             if not spec.recipe:
                 raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
+            resolve_recipe(spec.recipe)
+            if spec.timeout_s <= 0:
+                raise ConfigError(f"reward recipe '{spec.recipe}' in mix '{source}': timeout_s must be > 0")
+            name = component_name(spec)
+            if name in names:
+                raise ConfigError(f"reward mix '{source}' uses component name '{name}' twice; give each a distinct 'name'")
+            names.add(name)
+    resolve_recipe(reward.accuracy_recipe)
+
+
+def component_name(spec: RecipeSpec) -> str:
+    """A recipe's name in metrics: its `name`, else the function part of its recipe string."""
+    return spec.name or (spec.recipe.rpartition(":")[2] if ":" in spec.recipe else spec.recipe)
 
 
 def _validate_algo(cfg: Config) -> None:

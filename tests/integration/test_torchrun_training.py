@@ -58,7 +58,7 @@ def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, 
     steps = [r for r in records if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["reward/distinct_chars"] > 0 and "reward/exact_match" in r
+        assert r["reward/distinct_chars/mean"] > 0 and "reward/exact_match/mean" in r
         assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
 

@@ -6,7 +6,7 @@ from reward_recipes.answer_match import exact_match, extract_answer
 from reward_recipes.choice import chosen_letter, counting, multiple_choice, read_count
 from reward_recipes.grounding import box_iou, grounding_iou, parse_box
 from reward_recipes.repetition import repetition_penalty
-from vlrft.rewards.mix import BUILTIN_RECIPES, resolve_recipe
+from vlrft.rewards import BUILTIN_RECIPES, resolve_recipe
 
 
 def test_boxed_answers_keep_nested_braces():

@@ -3,7 +3,7 @@ import pytest
 from reward_recipes.answer_match import exact_match
 from reward_recipes.format import answer_tag_format
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig
-from vlrft.rewards.mix import RewardError, RewardMix, resolve_recipe
+from vlrft.rewards import RewardError, RewardMix, resolve_recipe
 
 
 def test_exact_match_extracts_and_normalises():
@@ -40,18 +40,20 @@ def test_mix_per_data_source_with_weights_and_components(tmp_path):
 
 
 def test_unknown_recipe_lists_builtins():
-    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; built-ins: answer_format, counting, exact_match, grounding_iou, multiple_choice"):
+    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; available: answer_format, code_unit_tests, counting, exact_match, "):
         resolve_recipe("exactmatch")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_recipe("no_such_pkg.mod:fn")
 
 
-def test_recipe_returning_wrong_count_is_named():
-    cfg = RewardConfig(default=[RecipeSpec(recipe="reward_recipes.format:answer_tag_format")])
+def test_recipe_returning_wrong_count_is_a_named_failure(capsys):
+    cfg = RewardConfig(default=[RecipeSpec(recipe="reward_recipes.format:answer_tag_format", fallback=0.0)])
     mix = RewardMix(cfg)
     mix.default[0] = (mix.default[0][0], lambda completions, samples: [1.0])
-    with pytest.raises(RuntimeError, match="returned 1 scores for 2 completions"):
-        mix.score(["a", "b"], [{"data_source": "x"}] * 2)
+    totals, components, _ = mix.score(["a", "b"], [{"data_source": "x"}] * 2)
+    assert totals == [0.0, 0.0] and components == [{"answer_tag_format": 0.0}] * 2  # the fallback
+    assert mix.take_failures() == {"answer_tag_format": 1}
+    assert "reward recipe 'reward_recipes.format:answer_tag_format' failed (returned 1 scores for 2 completions)" in capsys.readouterr().err
 
 
 def test_accuracy_uses_the_configured_recipe():

@@ -1,57 +1,30 @@
-"""Per-data-source weighted mix of reward recipes.
+"""Per-data-source weighted mix of reward recipes, every call isolated (docs/reward_recipes.md).
 
 A recipe is a plain function over a batch:
 
-    recipe(completions: list[str], samples: list[dict], **kwargs) -> list[float | list[float] | None]
+    recipe(completions: list[str], samples: list[dict], **kwargs) -> list[Score]
 
-`samples[i]` holds the row fields of completion i ("id", "answer", "data_source", "meta") and,
-during training, its response ("response_ids", "response_length", "truncated").
-None means "not applicable" and contributes 0 to the weighted sum. A list of floats, one per
-response token, is a dense reward: token-level estimators (reinforce_pp, gae) add it to the
-per-token rewards, sequence-level ones add its sum to the score.
+with one Score per completion: a number; None ("not applicable": contributes 0, and the
+component is absent for that completion); a list of numbers, one per response token (a dense
+reward; token-level estimators add it to the per-token rewards, sequence-level ones its sum);
+or a dict of named numbers (sub-components, logged as `<recipe>.<key>`; the score is their sum).
+A call that raises, returns something malformed or exceeds its `timeout_s` scores every
+completion of that call with the recipe's `fallback` and counts one failure.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import sys
+from collections import Counter, defaultdict
 from typing import Callable
 
-from vlrft.config import ConfigError, RecipeSpec, RewardConfig
-from vlrft.registry import load_callable
+from vlrft.config import RecipeSpec, RewardConfig, component_name
+from vlrft.rewards.guard import RecipeFailure, call_recipe
+from vlrft.rewards.loading import resolve_recipe
+
 
 class RewardError(RuntimeError):
     """A reward problem that stops training; the message is one line naming the recipes."""
-
-
-# Short names of the built-in recipes in reward_recipes/.
-BUILTIN_RECIPES = {
-    "exact_match": "reward_recipes.answer_match:exact_match",
-    "answer_format": "reward_recipes.format:answer_tag_format",
-    "soft_overlong_penalty": "reward_recipes.overlong:soft_overlong_penalty",
-    "multiple_choice": "reward_recipes.choice:multiple_choice",
-    "counting": "reward_recipes.choice:counting",
-    "grounding_iou": "reward_recipes.grounding:grounding_iou",
-    "repetition_penalty": "reward_recipes.repetition:repetition_penalty",
-}
-
-
-def resolve_recipe(name: str) -> Callable:
-    """A built-in short name, "package.module:function" or "path/to/file.py:function"."""
-    if name in BUILTIN_RECIPES:
-        return load_callable(BUILTIN_RECIPES[name])
-    if ":" not in name:
-        raise ConfigError(
-            f"unknown reward recipe '{name}'; built-ins: {', '.join(sorted(BUILTIN_RECIPES))}, "
-            "or give 'package.module:function' / 'path/to/file.py:function'"
-        )
-    try:
-        return load_callable(name)
-    except ValueError as err:
-        raise ConfigError(f"reward recipe {err}") from None
-
-
-def component_name(spec: RecipeSpec) -> str:
-    return spec.recipe.rpartition(":")[2] if ":" in spec.recipe else spec.recipe
 
 
 class RewardMix:
@@ -60,7 +33,21 @@ class RewardMix:
         self.by_source = {
             source: [(spec, resolve_recipe(spec.recipe)) for spec in mix] for source, mix in cfg.by_data_source.items()
         }
+        # Accuracy reuses the mix's score when the accuracy recipe is in it (a model-based
+        # recipe is not run twice); otherwise it runs with the default guard settings.
+        self.accuracy_spec = RecipeSpec(recipe=cfg.accuracy_recipe)
         self.accuracy_fn = resolve_recipe(cfg.accuracy_recipe)
+        self.failures: Counter = Counter()  # component name -> failed calls since the last take
+
+    def component_names(self) -> list[str]:
+        """Every top-level component any source can produce, sorted (same on every rank)."""
+        specs = [spec for spec, _ in self.default] + [s for mix in self.by_source.values() for s, _ in mix]
+        return sorted({component_name(spec) for spec in specs})
+
+    def take_failures(self) -> Counter:
+        """Failed calls per component since the last take (then reset)."""
+        failures, self.failures = self.failures, Counter()
+        return failures
 
     def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[dict[str, float]], list]:
         """Per completion: the weighted scalar total, the named components (unweighted; a dense
@@ -73,21 +60,46 @@ class RewardMix:
             by_source[sample["data_source"]].append(i)
         for source, idx in by_source.items():
             for spec, fn in self.by_source.get(source, self.default):
-                scores = _call(fn, spec, [completions[i] for i in idx], [samples[i] for i in idx])
+                name = component_name(spec)
+                scores = self._guarded(fn, spec, [completions[i] for i in idx], [samples[i] for i in idx])
                 for i, score in zip(idx, scores):
                     if score is None:
                         continue
                     if isinstance(score, (list, tuple)):
                         dense[i] = _add_dense(dense[i], score, spec, samples[i])
-                        components[i][component_name(spec)] = float(sum(score))
-                    else:
-                        totals[i] += spec.weight * float(score)
-                        components[i][component_name(spec)] = float(score)
+                        components[i][name] = float(sum(score))
+                        continue
+                    if isinstance(score, dict):
+                        components[i] |= {f"{name}.{key}": float(v) for key, v in score.items()}
+                        score = sum(score.values())
+                    totals[i] += spec.weight * float(score)
+                    components[i][name] = float(score)
         return totals, components, dense
 
-    def accuracy(self, completions: list[str], samples: list[dict]) -> list[float]:
-        scores = self.accuracy_fn(completions, samples)
-        return [float(s or 0.0) for s in scores]
+    def accuracy(self, completions: list[str], samples: list[dict], components: list[dict] | None = None) -> list[float]:
+        """1/0 correctness per completion by `accuracy_recipe` (a failed call counts as wrong)."""
+        name = component_name(self.accuracy_spec)
+        if components is not None and all(name in c for c in components):
+            return [float(c[name]) for c in components]
+        scores = self._guarded(self.accuracy_fn, self.accuracy_spec, completions, samples)
+        return [float(sum(s) if isinstance(s, (list, tuple)) else sum(s.values()) if isinstance(s, dict) else s or 0.0)
+                for s in scores]
+
+    def _guarded(self, fn: Callable, spec: RecipeSpec, completions: list[str], samples: list[dict]) -> list:
+        if not completions:
+            return []
+        try:
+            return call_recipe(fn, completions, samples, spec.kwargs, spec.timeout_s)
+        except RecipeFailure as failure:
+            name = component_name(spec)
+            self.failures[name] += 1
+            print(
+                f"vlrft: reward recipe '{spec.recipe}' failed ({failure}); "
+                f"{len(completions)} completions scored {spec.fallback} (fallback)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return [spec.fallback] * len(completions)
 
 
 def _add_dense(current: list | None, score: list, spec: RecipeSpec, sample: dict) -> list[float]:
@@ -99,12 +111,3 @@ def _add_dense(current: list | None, score: list, spec: RecipeSpec, sample: dict
         )
     weighted = [spec.weight * float(v) for v in score]
     return weighted if current is None else [a + b for a, b in zip(current, weighted)]
-
-
-def _call(fn: Callable, spec: RecipeSpec, completions: list[str], samples: list[dict]) -> list:
-    scores = fn(completions, samples, **spec.kwargs)
-    if len(scores) != len(completions):
-        raise RuntimeError(
-            f"reward recipe '{spec.recipe}' returned {len(scores)} scores for {len(completions)} completions"
-        )
-    return list(scores)

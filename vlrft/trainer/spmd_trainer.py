@@ -26,11 +26,12 @@ from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
 from vlrft.models.value_model import load_value_model
-from vlrft.rewards.mix import RewardError, RewardMix, component_name
+from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
 from vlrft.trainer.critic_update import critic_update
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
+from vlrft.trainer.rollout_metrics import rollout_metrics
 from vlrft.trainer.update import policy_update
 from vlrft.types import Experience
 
@@ -104,9 +105,7 @@ class SPMDTrainer:
         if cfg.critic.value_norm != "none":
             self.return_stats = ReturnStats(cfg.critic.value_norm, cfg.critic.value_norm_beta)
         self.rewards = RewardMix(cfg.reward)
-        self.component_names = sorted(
-            {component_name(s) for mix in [cfg.reward.default, *cfg.reward.by_data_source.values()] for s in mix}
-        )
+        self.train_sources = sorted({row["data_source"] for row in self.train_rows})
         self.maker = FastExperienceMaker(
             engine=self.engine,
             policy=lambda: self.backend.model,
@@ -167,7 +166,7 @@ class SPMDTrainer:
         made = time.perf_counter()
         self.buffer.clear()
         self.buffer.add(experiences)
-        metrics |= self._rollout_metrics(generated) | kl_metrics
+        metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | kl_metrics
         self._check_rewards_not_all_zero(generated)
         if self.critic is not None:
             metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
@@ -260,27 +259,5 @@ class SPMDTrainer:
         if self.zero_reward_watch.update(all_zero=float(nonzero) == 0):
             raise RewardError(
                 f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
-                f"check the reward recipes ({', '.join(self.component_names)}); usually a broken verifier"
+                f"check the reward recipes ({', '.join(self.rewards.component_names())}); usually a broken verifier"
             )
-
-    def _rollout_metrics(self, experiences: list[Experience]) -> dict[str, float]:
-        """Means over all ranks of rewards (total and per component), lengths, truncation."""
-        names = self.component_names
-        local = torch.zeros(4 + 2 * len(names))
-        for e in experiences:
-            local[:4] += torch.tensor([1.0, e.reward, len(e.rollout.response_ids), float(e.rollout.truncated)])
-            for j, name in enumerate(names):
-                if name in e.reward_components:
-                    local[4 + 2 * j] += e.reward_components[name]
-                    local[5 + 2 * j] += 1.0
-        total = all_reduce_sum(local)
-        n = max(float(total[0]), 1.0)
-        metrics = {
-            "rollout/reward_mean": float(total[1]) / n,
-            "rollout/response_length": float(total[2]) / n,
-            "rollout/truncated_frac": float(total[3]) / n,
-        }
-        for j, name in enumerate(names):
-            if total[5 + 2 * j] > 0:
-                metrics[f"reward/{name}"] = float(total[4 + 2 * j] / total[5 + 2 * j])
-        return metrics

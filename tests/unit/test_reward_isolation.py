@@ -1,0 +1,143 @@
+"""Every recipe call is isolated: a raise, a hang or malformed output becomes a counted failure
+with the recipe's fallback, and the rest of the mix still scores."""
+
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from vlrft.config import ConfigError, RecipeSpec, RewardConfig, load_config
+from vlrft.rewards import RewardMix, available_recipes, resolve_recipe
+from vlrft.rewards.guard import RecipeFailure, abandoned_calls, call_recipe, check_scores
+
+RECIPES = '''
+import time
+
+def raises(completions, samples):
+    raise ValueError("verifier exploded\\non two lines")
+
+def hangs(completions, samples):
+    while True:
+        time.sleep(0.05)
+
+def length(completions, samples):
+    return [float(len(c)) for c in completions]
+
+def split(completions, samples):
+    return [{"format": 0.5, "accuracy": 1.0} for c in completions]
+'''
+
+
+@pytest.fixture()
+def recipes(tmp_path):
+    path = tmp_path / "recipes.py"
+    path.write_text(RECIPES)
+    return path
+
+
+def test_raising_and_hanging_recipes_fall_back_and_are_counted(recipes, capsys):
+    mix = RewardMix(RewardConfig(default=[
+        RecipeSpec(recipe=f"{recipes}:raises", fallback=0.0),
+        RecipeSpec(recipe=f"{recipes}:hangs", timeout_s=0.5),  # fallback None: not applicable
+        RecipeSpec(recipe=f"{recipes}:length", weight=0.5),
+    ]))
+    before = abandoned_calls()
+    start = time.perf_counter()
+    totals, components, _ = mix.score(["ab", "abcd"], [{"data_source": "x"}] * 2)
+    assert time.perf_counter() - start < 2.0  # the hang cost its timeout, not forever
+    assert totals == [1.0, 2.0]  # only `length` counted; raises -> 0, hangs -> not applicable
+    assert components == [{"raises": 0.0, "length": 2.0}, {"raises": 0.0, "length": 4.0}]
+    assert mix.take_failures() == {"raises": 1, "hangs": 1}
+    assert mix.take_failures() == {}  # reset by the take
+    assert abandoned_calls() == before + 1
+    err = capsys.readouterr().err
+    assert f"reward recipe '{recipes}:raises' failed (raised ValueError: verifier exploded on two lines)" in err
+    assert f"reward recipe '{recipes}:hangs' failed (timed out after 0.5s); 2 completions scored None" in err
+
+
+def test_dict_scores_are_named_sub_components_summed(recipes):
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe=f"{recipes}:split", weight=2.0, name="r1")]))
+    totals, components, _ = mix.score(["a"], [{"data_source": "x"}])
+    assert totals == [3.0]  # 2.0 * (0.5 + 1.0)
+    assert components == [{"r1": 1.5, "r1.format": 0.5, "r1.accuracy": 1.0}]
+
+
+@pytest.mark.parametrize("scores, message", [
+    ([1.0], "returned 1 scores for 2 completions"),
+    (5.0, "returned float, not a list of scores"),
+    ([1.0, float("nan")], "score 1 is nan, not a finite number"),
+    ([1.0, "1"], "score 1 is '1', not a finite number"),
+    ([True, 1.0], "score 0 is True, not a finite number"),
+    ([{"a": math.inf}, 1.0], "score 0 is inf, not a finite number"),
+])
+def test_malformed_outputs_are_failures(scores, message):
+    with pytest.raises(RecipeFailure, match=message):
+        check_scores(scores, 2)
+
+
+def test_well_formed_outputs_pass_unchanged():
+    scores = [None, 1, np.float32(0.5), [0.1, 0.2], {"a": 1.0}]
+    assert check_scores(scores, 5) == scores
+
+
+def test_call_recipe_passes_kwargs_and_returns_in_time():
+    got = call_recipe(lambda c, s, scale: [scale * len(x) for x in c], ["ab"], [{}], {"scale": 3}, timeout_s=5)
+    assert got == [6]
+
+
+def test_accuracy_reuses_the_mix_component_and_counts_failures_as_wrong(recipes):
+    calls = []
+
+    def counting_exact(completions, samples):
+        calls.append(len(completions))
+        return [1.0] * len(completions)
+
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe="exact_match")]))
+    mix.accuracy_fn = counting_exact
+    assert mix.accuracy(["x"], [{"answer": "x"}], [{"exact_match": 0.0}]) == [0.0]  # reused, not called
+    assert calls == []
+    assert mix.accuracy(["x"], [{"answer": "x"}], [{}]) == [1.0] and calls == [1]
+    broken = RewardMix(RewardConfig(accuracy_recipe=f"{recipes}:raises"))
+    assert broken.accuracy(["x", "y"], [{}, {}]) == [0.0, 0.0]
+
+
+def test_config_load_rejects_unknown_recipes_and_bad_guards(tmp_path):
+    base = ["model.path=m", "data.train_path=d.jsonl"]
+    with pytest.raises(ConfigError, match="unknown reward recipe 'exact'; available: .*exact_match"):
+        load_config(None, [*base, "reward.default=[{recipe: exact}]"])
+    with pytest.raises(ConfigError, match="timeout_s must be > 0"):
+        load_config(None, [*base, "reward.default=[{recipe: exact_match, timeout_s: 0}]"])
+    with pytest.raises(ConfigError, match="uses component name 'exact_match' twice"):
+        load_config(None, [*base, "reward.default=[{recipe: exact_match}, {recipe: exact_match, kwargs: {normalised: false}}]"])
+    cfg = load_config(None, [*base, "reward.default=[{recipe: exact_match}, {recipe: exact_match, name: literal, fallback: 0}]"])
+    assert cfg.reward.default[1].name == "literal" and cfg.reward.default[1].fallback == 0.0
+    assert cfg.reward.default[0].fallback is None and cfg.reward.default[0].timeout_s == 60.0
+    with pytest.raises(ConfigError, match="unknown reward recipe 'nope'"):
+        load_config(None, [*base, "reward.accuracy_recipe=nope"])
+
+
+def test_entry_point_plugin_is_found_by_name(tmp_path):
+    """A tiny package installed (to a target dir) with a `vlrft.reward_recipes` entry point."""
+    pkg = tmp_path / "src"
+    (pkg / "shout_reward").mkdir(parents=True)
+    (pkg / "shout_reward" / "__init__.py").write_text(
+        "def shouting(completions, samples):\n    return [float(c.isupper()) for c in completions]\n"
+    )
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "shout-reward"\nversion = "0.1"\n'
+        '[project.entry-points."vlrft.reward_recipes"]\nshouting = "shout_reward:shouting"\n'
+    )
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(pkg)], check=True, capture_output=True)
+    sys.path.insert(0, str(site))
+    try:
+        assert "shouting" in available_recipes()
+        assert resolve_recipe("shouting")(["HEY", "hey"], [{}, {}]) == [1.0, 0.0]
+    finally:
+        sys.path.remove(str(site))
+    assert "shouting" not in available_recipes()

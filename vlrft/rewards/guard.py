@@ -1,0 +1,74 @@
+"""Calling a recipe so that nothing it does can stop training: a timeout and checked output.
+
+Each call runs in a daemon worker thread. A call that raises, returns something malformed or
+outlives its timeout becomes a `RecipeFailure`; the mix then uses the recipe's fallback. A
+thread cannot be killed, so a hung call is abandoned (and counted in `abandoned_calls()`);
+recipes that execute untrusted code must use the subprocess sandbox (vlrft.rewards.sandbox),
+which enforces its own time and memory limits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from typing import Callable
+
+_abandoned = 0  # threads still running a timed-out call (they cannot be killed)
+_lock = threading.Lock()
+
+
+class RecipeFailure(RuntimeError):
+    """One failed recipe call; the message is one line saying why."""
+
+
+def abandoned_calls() -> int:
+    return _abandoned
+
+
+def call_recipe(fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float) -> list:
+    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list."""
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["scores"] = fn(completions, samples, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - anything a recipe raises is its failure
+            outcome["error"] = err
+
+    worker = threading.Thread(target=work, daemon=True, name="vlrft-recipe")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        global _abandoned
+        with _lock:
+            _abandoned += 1
+        raise RecipeFailure(f"timed out after {timeout_s:g}s")
+    if "error" in outcome:
+        err = outcome["error"]
+        raise RecipeFailure(f"raised {type(err).__name__}: {_one_line(str(err))}")
+    return check_scores(outcome["scores"], len(completions))
+
+
+def check_scores(scores, count: int) -> list:
+    """A list of `count` items, each None, a finite number, a list of finite numbers (dense) or
+    a dict of named finite numbers (components); else a RecipeFailure saying what is wrong."""
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise RecipeFailure(f"returned {type(scores).__name__}, not a list of scores") from None
+    if len(scores) != count:
+        raise RecipeFailure(f"returned {len(scores)} scores for {count} completions")
+    for i, score in enumerate(scores):
+        if score is None:
+            continue
+        values = score.values() if isinstance(score, dict) else score if isinstance(score, (list, tuple)) else [score]
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RecipeFailure(f"score {i} is {value!r}, not a finite number")
+    return scores
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

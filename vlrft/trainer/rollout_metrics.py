@@ -1,0 +1,71 @@
+"""Step metrics of the scored rollouts, reduced over all ranks: rewards per component and per
+data source, training accuracy, lengths, truncation, recipe failures."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vlrft.experience.maker import completion_fields
+from vlrft.rewards.guard import abandoned_calls
+from vlrft.rewards.mix import RewardMix
+from vlrft.trainer.distributed import all_reduce_sum
+from vlrft.types import Experience
+
+
+def union_over_ranks(names: set[str]) -> list[str]:
+    """The sorted union of every rank's names: a layout all ranks agree on for a reduction."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(names))
+        names = set().union(*map(set, gathered))
+    return sorted(names)
+
+
+def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: list[str]) -> dict[str, float]:
+    """`sources` is the run's sorted list of training data sources (the same on every rank)."""
+    texts = [e.rollout.response_text for e in experiences]
+    correct = rewards.accuracy(
+        texts, [completion_fields(e.rollout) for e in experiences], [e.reward_components for e in experiences]
+    )
+    names = union_over_ranks({name for e in experiences for name in e.reward_components})
+    failure_names = rewards.component_names()
+    failures = rewards.take_failures()
+    # Layout: [count, reward, length, truncated, correct] | per name [sum, count] | per source
+    # [count, reward, correct] | per recipe [failures] | [abandoned calls]
+    local = torch.zeros(5 + 2 * len(names) + 3 * len(sources) + len(failure_names) + 1, dtype=torch.float64)
+    col = {name: 5 + 2 * j for j, name in enumerate(names)}
+    src = {source: 5 + 2 * len(names) + 3 * j for j, source in enumerate(sources)}
+    for e, ok in zip(experiences, correct):
+        local[:5] += torch.tensor([1.0, e.reward, len(e.rollout.response_ids), float(e.rollout.truncated), ok])
+        for name, value in e.reward_components.items():
+            local[col[name]] += value
+            local[col[name] + 1] += 1.0
+        if e.rollout.prompt.data_source in src:
+            j = src[e.rollout.prompt.data_source]
+            local[j : j + 3] += torch.tensor([1.0, e.reward, ok])
+    fail_start = 5 + 2 * len(names) + 3 * len(sources)
+    for j, name in enumerate(failure_names):
+        local[fail_start + j] = failures[name]
+    local[-1] = abandoned_calls()  # cumulative per rank
+    total = all_reduce_sum(local).tolist()
+    n = max(total[0], 1.0)
+    metrics = {
+        "rollout/reward_mean": total[1] / n,
+        "rollout/response_length": total[2] / n,
+        "rollout/truncated_frac": total[3] / n,
+        "rollout/accuracy": total[4] / n,
+        "reward/abandoned_calls": total[-1],
+    }
+    for name in names:
+        value, count = total[col[name]], total[col[name] + 1]
+        if count > 0:
+            metrics[f"reward/{name}/mean"] = value / count
+    for source in sources:
+        count, reward, ok = total[src[source] : src[source] + 3]
+        if count > 0:
+            metrics[f"rollout/{source}/reward_mean"] = reward / count
+            metrics[f"rollout/{source}/accuracy"] = ok / count
+    for j, name in enumerate(failure_names):
+        metrics[f"reward/{name}/failures"] = total[fail_start + j]
+    return metrics

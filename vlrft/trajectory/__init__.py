@@ -1,0 +1,1 @@
+"""Trajectory analysis (and, with issue 7, saving and reports)."""

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from tests.integration.test_torchrun_training import free_port
+from tests.recipe_plugin import install_recipe_plugin
 from tests.unit.test_reward_docs import write_example
 from vlrft.models.loader import load_model
 
@@ -26,22 +27,6 @@ BROKEN = (
 PLUGIN = "def brevity(completions, samples):\n    return [1.0 - s['response_length'] / 8 for s in samples]\n"
 
 
-def install_plugin(tmp_path):
-    """pip-installs a one-recipe package into its own target directory (not the test env)."""
-    src = tmp_path / "plugin_src"
-    (src / "brevity_reward").mkdir(parents=True)
-    (src / "brevity_reward" / "__init__.py").write_text(PLUGIN)
-    (src / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "brevity-reward"\nversion = "0.1"\n'
-        '[project.entry-points."vlrft.reward_recipes"]\nbrevity = "brevity_reward:brevity"\n'
-    )
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(src)], check=True, capture_output=True)
-    return site
-
-
 def test_user_file_and_entry_point_recipes_train_the_colour_task(colour_data, tmp_path):
     from data_tools.make_tiny_model import build_vl_model
 
@@ -52,7 +37,7 @@ def test_user_file_and_entry_point_recipes_train_the_colour_task(colour_data, tm
     outside.mkdir()
     recipe_file = write_example(outside)
     (outside / "broken.py").write_text(BROKEN)
-    site = install_plugin(tmp_path)
+    site = install_recipe_plugin(tmp_path, "brevity_reward", "brevity", PLUGIN)
     config = {
         "model": {"path": tiny_vl},
         "data": {"train_path": str(colour_data / "train.jsonl"), "eval_path": str(colour_data / "test.jsonl")},

@@ -2,13 +2,13 @@
 with the recipe's fallback, and the rest of the mix still scores."""
 
 import math
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
+from tests.recipe_plugin import install_recipe_plugin
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig, load_config
 from vlrft.rewards import RewardMix, available_recipes, resolve_recipe
 from vlrft.rewards.guard import RecipeFailure, abandoned_calls, call_recipe, check_scores
@@ -121,19 +121,10 @@ def test_config_load_rejects_unknown_recipes_and_bad_guards(tmp_path):
 
 def test_entry_point_plugin_is_found_by_name(tmp_path):
     """A tiny package installed (to a target dir) with a `vlrft.reward_recipes` entry point."""
-    pkg = tmp_path / "src"
-    (pkg / "shout_reward").mkdir(parents=True)
-    (pkg / "shout_reward" / "__init__.py").write_text(
-        "def shouting(completions, samples):\n    return [float(c.isupper()) for c in completions]\n"
+    site = install_recipe_plugin(
+        tmp_path, "shout_reward", "shouting",
+        "def shouting(completions, samples):\n    return [float(c.isupper()) for c in completions]\n",
     )
-    (pkg / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "shout-reward"\nversion = "0.1"\n'
-        '[project.entry-points."vlrft.reward_recipes"]\nshouting = "shout_reward:shouting"\n'
-    )
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(pkg)], check=True, capture_output=True)
     sys.path.insert(0, str(site))
     try:
         assert "shouting" in available_recipes()

@@ -8,6 +8,7 @@ A name resolves, in order, to
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import entry_points
 from typing import Callable
 
@@ -42,8 +43,11 @@ def available_recipes() -> list[str]:
     return sorted(set(BUILTIN_RECIPES) | set(plugin_recipes()))
 
 
+@functools.lru_cache(maxsize=None)
 def resolve_recipe(name: str) -> Callable:
-    """The recipe function a config names; an unknown name fails listing the available ones."""
+    """The recipe function a config names; an unknown name fails listing the available ones.
+    Cached: config validation and the mix resolve the same names, and a user file must not be
+    executed twice (it may load a model at import)."""
     if name in BUILTIN_RECIPES:
         return load_callable(BUILTIN_RECIPES[name])
     plugins = plugin_recipes()

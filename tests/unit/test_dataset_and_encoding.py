@@ -70,3 +70,16 @@ def test_sampler_splits_each_step_over_ranks_without_overlap():
     assert sorted(positions) == list(range(20))  # unique stream positions (= group ids)
     first_epoch = sorted(row for p, row in seen if p < 10)
     assert first_epoch == list(range(10))  # every row once per epoch
+
+
+def test_user_text_joins_the_user_text_parts_only():
+    from vlrft.data.dataset import user_text
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What colour?"},
+                                     {"type": "text", "text": "One word."}]},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": "Sure?"},
+    ]
+    assert user_text(messages) == "What colour?\nOne word.\nSure?"

@@ -78,6 +78,18 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
     return {**message, "content": parts}
 
 
+def message_text(content) -> str:
+    """A message's text: its text parts joined by newlines (image parts dropped)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def user_text(messages: list[dict]) -> str:
+    """The text of the user's messages, joined by newlines: the question a verifier or judge reads."""
+    return "\n".join(message_text(m["content"]) for m in messages if m.get("role") == "user")
+
+
 def image_paths(row: dict) -> list[str]:
     """Image paths of a row in the order they appear in its messages."""
     return [

@@ -20,8 +20,9 @@ from vlrft.types import Prompt
 IMAGE_PAD = "<|image_pad|>"
 
 
-def _load_image_pil(path: str) -> Image.Image:
-    with Image.open(path) as img:
+def load_rgb_image(source) -> Image.Image:
+    """An RGB PIL image from a path or a binary file object (fully read, file closed)."""
+    with Image.open(source) as img:
         return img.convert("RGB")
 
 
@@ -43,7 +44,7 @@ class PromptEncoder:
     def load_image(self, path: str) -> Image.Image:
         if _qwen_fetch_image is not None:
             return _qwen_fetch_image({"image": path, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
-        return _load_image_pil(path)
+        return load_rgb_image(path)
 
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""

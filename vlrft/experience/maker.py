@@ -12,6 +12,7 @@ from vlrft.algo.estimate import AdvantageOptions, estimate_advantages
 from vlrft.algo.kl import FULL_KL, KL_ESTIMATORS, full_kl
 from vlrft.algo.shaping import best_of_n
 from vlrft.algo.value import ReturnStats
+from vlrft.data.dataset import user_text
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.collate import gather_responses, pad_rows
@@ -32,21 +33,9 @@ def sample_fields(prompt: Prompt) -> dict:
         "data_source": prompt.data_source,
         "meta": prompt.meta,
         "messages": prompt.messages,
-        "prompt": prompt_text_of(prompt.messages),
+        "prompt": user_text(prompt.messages),
         "images": prompt.images,
     }
-
-
-def prompt_text_of(messages: list[dict]) -> str:
-    """The text parts of the user's messages, joined: the question a verifier or judge reads."""
-    texts = []
-    for message in messages:
-        if message.get("role") != "user":
-            continue
-        content = message["content"]
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        texts += [part["text"] for part in parts if part.get("type") == "text"]
-    return "\n".join(texts)
 
 
 def completion_fields(rollout: Rollout) -> dict:

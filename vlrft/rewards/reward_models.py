@@ -17,18 +17,13 @@ import threading
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from vlrft.data.dataset import message_text, user_text
+
 _LOAD_LOCK = threading.Lock()  # guards the caches below (not the models)
 _RM_CACHE: dict[str, tuple] = {}  # path -> (tokenizer, model, lock)
 _JUDGE_CACHE: dict[str, dict] = {}  # path -> {"engine", "lock", "encoders": {(min, max): PromptEncoder}}
 
 JUDGE_FIELDS = ("prompt", "completion", "answer")
-
-
-def _text_only(content) -> str:
-    """A message's content with image (and any non-text) parts dropped, text parts joined by newlines."""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part["text"] for part in content if part.get("type") == "text")
 
 
 # --------------------------------------------------------------------------- scalar reward model
@@ -59,7 +54,7 @@ def reward_model_text(tokenizer, completion: str, sample: dict) -> str:
     `prompt + "\\n" + completion`."""
     if not getattr(tokenizer, "chat_template", None):
         return sample["prompt"] + "\n" + completion
-    messages = [{"role": m["role"], "content": _text_only(m["content"])} for m in sample["messages"]]
+    messages = [{"role": m["role"], "content": message_text(m["content"])} for m in sample["messages"]]
     messages.append({"role": "assistant", "content": completion})
     return tokenizer.apply_chat_template(messages, tokenize=False)
 
@@ -131,8 +126,7 @@ def _load_judge(path: str, min_pixels: int, max_pixels: int):
             encoder = PromptEncoder(path, min_pixels, max_pixels, max_prompt_tokens=sys.maxsize)
             tok = encoder.tokenizer
             engine = HFEngine(path, tok, stop_token_ids(tok), banned_token_ids(tok), max_batch=sys.maxsize)
-            entry = _JUDGE_CACHE[path] = {"engine": engine, "lock": threading.Lock(), "encoders": {}}
-            entry["encoders"][(min_pixels, max_pixels)] = encoder
+            entry = _JUDGE_CACHE[path] = {"engine": engine, "lock": threading.Lock(), "encoders": {(min_pixels, max_pixels): encoder}}
         if (min_pixels, max_pixels) not in entry["encoders"]:
             entry["encoders"][(min_pixels, max_pixels)] = PromptEncoder(path, min_pixels, max_pixels, sys.maxsize)
         return entry["engine"], entry["encoders"][(min_pixels, max_pixels)], entry["lock"]
@@ -144,7 +138,7 @@ def judge_row(template: str, completion: str, sample: dict, with_images: bool) -
     them) followed by `template.format(prompt=sample["prompt"], completion=..., answer=...)`."""
     prompt = sample.get("prompt")
     if prompt is None:
-        prompt = "\n".join(_text_only(m["content"]) for m in sample.get("messages", []) if m["role"] == "user")
+        prompt = user_text(sample.get("messages", []))
     text = template.format(prompt=prompt, completion=completion, answer=sample.get("answer", ""))
     images = list(sample.get("images") or []) if with_images else []
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]

@@ -7,6 +7,8 @@ import io
 
 from PIL import Image
 
+from vlrft.data.encoding import load_rgb_image
+
 # Fields a remote recipe receives; the rest of a sample (tensors, internal state) stays local.
 SAMPLE_FIELDS = ("id", "answer", "data_source", "meta", "messages", "prompt", "images",
                  "response_ids", "response_length", "truncated")
@@ -41,5 +43,4 @@ def _png(image: Image.Image) -> str:
 
 
 def _image(encoded: dict) -> Image.Image:
-    with Image.open(io.BytesIO(base64.b64decode(encoded["png_base64"]))) as img:
-        return img.convert("RGB")
+    return load_rgb_image(io.BytesIO(base64.b64decode(encoded["png_base64"])))

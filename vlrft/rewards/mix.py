@@ -81,9 +81,7 @@ class RewardMix:
         name = component_name(self.accuracy_spec)
         if components is not None and all(name in c for c in components):
             return [float(c[name]) for c in components]
-        scores = self._guarded(self.accuracy_fn, self.accuracy_spec, completions, samples)
-        return [float(sum(s) if isinstance(s, (list, tuple)) else sum(s.values()) if isinstance(s, dict) else s or 0.0)
-                for s in scores]
+        return [_as_number(s) for s in self._guarded(self.accuracy_fn, self.accuracy_spec, completions, samples)]
 
     def _guarded(self, fn: Callable, spec: RecipeSpec, completions: list[str], samples: list[dict]) -> list:
         if not completions:
@@ -100,6 +98,15 @@ class RewardMix:
                 flush=True,
             )
             return [spec.fallback] * len(completions)
+
+
+def _as_number(score) -> float:
+    """One number for a score: a dense list or a dict by its sum, None as 0."""
+    if isinstance(score, dict):
+        return float(sum(score.values()))
+    if isinstance(score, (list, tuple)):
+        return float(sum(score))
+    return float(score or 0.0)
 
 
 def _add_dense(current: list | None, score: list, spec: RecipeSpec, sample: dict) -> list[float]:

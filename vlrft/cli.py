@@ -1,5 +1,6 @@
 """`vlrft train CONFIG [section.key=value ...]`: launched under torchrun, one process per rank.
-`vlrft reward-server --recipe NAME [--kwargs JSON]`: serve a reward recipe over HTTP."""
+`vlrft reward-server --recipe NAME [--kwargs JSON]`: serve a reward recipe over HTTP.
+`vlrft report RUN_DIR [--out PATH] [--top-k N]`: an offline HTML report of saved trajectories."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 
 from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import DataError
+from vlrft.metrics.external_sinks import MissingSinkPackage
 from vlrft.rewards.mix import RewardError
+from vlrft.trajectory.records import ReportError
+from vlrft.trajectory.report import DEFAULT_TOP_K, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--threads", type=int, default=4, help="requests served at once")
     server.add_argument("--timeout-s", type=float, default=60.0, help="per-request recipe timeout")
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained) and report.json")
+    report.add_argument("run_dir", help="run directory holding trajectories/ (and metrics.jsonl)")
+    report.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html; the .json goes next to it)")
+    report.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="best/worst samples per step and source")
     args = parser.parse_args(argv)
 
     try:
@@ -36,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--kwargs must be a JSON object, got {args.kwargs}")
             serve(args.recipe, kwargs, args.host, args.port, args.threads, args.timeout_s)
             return 0
+        if args.command == "report":
+            for path in write_report(args.run_dir, args.out, args.top_k):
+                print(path)
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             from vlrft.trainer.spmd_trainer import SPMDTrainer
@@ -46,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
                 curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
                 print(f"held-out accuracy by step: {curve}", flush=True)
                 print(f"outputs: {cfg.output.dir} (metrics.jsonl, final/ HF checkpoint)", flush=True)
+                if cfg.trajectory.save_every:
+                    html, summary = write_report(cfg.output.dir)
+                    print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
     except json.JSONDecodeError as err:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, RewardError) as err:
+    except (ConfigError, DataError, RewardError, ReportError, MissingSinkPackage) as err:
         print(f"vlrft: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -45,7 +45,11 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # rollout engine name (hf)
+    engine: str = "hf"  # rollout engine: hf (HF generate, CPU default) | vllm (colocated vLLM)
+    engine_tp_size: int = 1  # vllm: consecutive ranks per tensor-parallel engine; divides the world size
+    # vllm: fraction of accelerator memory (CPU backend: of RAM) the engine may take for weights
+    # and KV cache; its name on the vLLM side is gpu_memory_utilization.
+    vllm_memory_fraction: float = 0.5
     rollout_prompts: int = 16  # prompts per step, global over all ranks
     n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)
     max_new_tokens: int = 32
@@ -157,7 +161,24 @@ class EvalConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs/default"  # metrics.jsonl, final/ HF checkpoint
+    dir: str = "runs/default"  # metrics.jsonl, final/ HF checkpoint, trajectories/, report.html
+
+
+@dataclass
+class TrajectoryConfig:
+    # Save every N-th step's scored responses (and the last step's) to output.dir/trajectories/
+    # and write report.html at the end; 0 = off.
+    save_every: int = 0
+
+
+WANDB_MODES = ("off", "offline", "online")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "off"  # off | offline (no account, files under output.dir/wandb) | online
+    wandb_project: str = "vlrft"
+    tensorboard: bool = False  # event files under output.dir/tensorboard
 
 
 @dataclass
@@ -171,6 +192,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -279,6 +302,16 @@ def validate(cfg: Config) -> None:
     POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
     _validate_algo(cfg)
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
+    if cfg.rollout.engine_tp_size < 1:
+        raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")
+    if cfg.rollout.engine != "vllm" and cfg.rollout.engine_tp_size != 1:
+        raise ConfigError("config key 'rollout.engine_tp_size' applies to rollout.engine 'vllm' only")
+    if cfg.logging.wandb not in WANDB_MODES:
+        raise ConfigError(f"config key 'logging.wandb' is '{cfg.logging.wandb}'; valid: {', '.join(WANDB_MODES)}")
+    if cfg.trajectory.save_every < 0:
+        raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
+    if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
+        raise ConfigError(f"config key 'rollout.vllm_memory_fraction' must be in (0, 1], got {cfg.rollout.vllm_memory_fraction}")
     if cfg.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):

@@ -36,6 +36,9 @@ class Rollout:
     response_ids: list[int]  # includes the stop token when the response finished
     response_text: str  # decoded without special tokens
     truncated: bool  # no stop token within max_new_tokens
+    # [R] the engine's own logprob of each sampled token (vLLM; None for engines that do not
+    # report them). Compared with the trainer's in `rollout/engine_logprob_diff_*`.
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -54,7 +57,9 @@ class Experience:
     advantages: torch.Tensor | None = None  # [R]
     values: torch.Tensor | None = None  # [R] rollout-time critic outputs (normalised space if value_norm)
     returns: torch.Tensor | None = None  # [R] critic targets (same space as values)
+    entropy: torch.Tensor | None = None  # [R] rollout-time policy entropy at each response token
     in_loss: bool = True  # False: kept for bookkeeping only (mask_truncated, placeholders)
+    correct: float = 0.0  # the accuracy recipe's verdict (set by mark_correct before metrics)
 
     @property
     def total_reward(self) -> float:

@@ -2,16 +2,15 @@ import torch
 
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.engines import ENGINES, SamplingParams
+from vlrft.engines import SamplingParams
+from vlrft.engines.hf_engine import HFEngine
 from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
 
 
 def make_engine(model_path, banned=True):
     encoder = PromptEncoder(model_path, 56 * 56, 112 * 112, 512)
     tok = encoder.tokenizer
-    engine = ENGINES.get("hf")(
-        model_path=model_path, tokenizer=tok, stop_ids=stop_token_ids(tok), banned_ids=banned_token_ids(tok) if banned else []
-    )
+    engine = HFEngine(model_path, tok, stop_token_ids(tok), banned_token_ids(tok) if banned else [])
     return engine, encoder
 
 

@@ -11,6 +11,24 @@ import torch
 import torch.distributed as dist
 
 
+# Parameters gathered per all-gather when streaming full weights out of ZeRO-3 (weight sync):
+# large enough to amortise the collective, small enough to bound the extra memory.
+GATHER_BUCKET_BYTES = 256 * 2**20
+
+
+def size_buckets(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive index runs whose sizes sum to at most `limit` (a larger item is alone)."""
+    buckets: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not buckets or total + size > limit:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(i)
+        total += size
+    return buckets
+
+
 class DeepSpeedBackend:
     def __init__(
         self,
@@ -64,13 +82,20 @@ class DeepSpeedBackend:
         return float(norm) if norm is not None else 0.0
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.module.named_parameters():
-            if self.zero_stage == 3:
-                # Collective: every rank gathers the same parameter in the same order.
-                with deepspeed.zero.GatheredParameters([param]):
-                    yield name, param.data.detach().clone()
-            else:
+        """Every parameter, unsharded, by HF name. Under ZeRO-3 a collective: every rank gathers
+        the same buckets in the same order, one all-gather per bucket rather than per tensor."""
+        if self.zero_stage != 3:
+            for name, param in self.module.named_parameters():
                 yield name, param.data.detach()
+            return
+        named = list(self.module.named_parameters())
+        sizes = [p.ds_numel * p.element_size() for _, p in named]  # full (unpartitioned) bytes
+        for bucket in size_buckets(sizes, GATHER_BUCKET_BYTES):
+            with deepspeed.zero.GatheredParameters([named[i][1] for i in bucket]):
+                for i in bucket:
+                    # A copy: consumers may keep it after the partition is released (vLLM
+                    # holds a layer's tensors until the whole layer has arrived).
+                    yield named[i][0], named[i][1].data.detach().clone()
 
     def full_state_dict(self) -> dict:
         """The unsharded state dict (collective; complete on rank 0 under ZeRO-3)."""

@@ -31,9 +31,46 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors by their HF parameter names."""
 
+    def sleep(self) -> None:
+        """Release accelerator memory while the trainer updates (no-op where unsupported)."""
 
+    def wake(self) -> None:
+        """Take the memory back before the next weight sync and generation."""
+
+
+def make_rollout(prompt: Prompt, new_ids: list[int], tokenizer, stop_ids: list[int], logprobs=None) -> Rollout:
+    """A rollout from generated ids: cut after the first stop id; no stop id = truncated."""
+    stop = next((i for i, t in enumerate(new_ids) if t in stop_ids), None)
+    response = new_ids if stop is None else new_ids[: stop + 1]
+    return Rollout(
+        prompt=prompt,
+        group_id=prompt.index,
+        response_ids=response,
+        response_text=tokenizer.decode(response, skip_special_tokens=True),
+        truncated=stop is None,
+        logprobs=None if logprobs is None else list(logprobs[: len(response)]),
+    )
+
+
+# Factories take (cfg, tokenizer, stop_ids, banned_ids): each engine reads its own config keys.
 @ENGINES.register("hf")
-def _make_hf_engine(**kwargs) -> RolloutEngine:
+def _make_hf_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) -> RolloutEngine:
     from vlrft.engines.hf_engine import HFEngine
 
-    return HFEngine(**kwargs)
+    return HFEngine(cfg.model.path, tokenizer, stop_ids, banned_ids)
+
+
+@ENGINES.register("vllm")
+def _make_vllm_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) -> RolloutEngine:
+    from vlrft.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        cfg.model.path,
+        tokenizer,
+        stop_ids,
+        banned_ids,
+        tp_size=cfg.rollout.engine_tp_size,
+        seed=cfg.train.seed,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        memory_fraction=cfg.rollout.vllm_memory_fraction,
+    )

@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from vlrft.engines.base import SamplingParams
+from vlrft.engines.base import SamplingParams, make_rollout
 from vlrft.experience.collate import concat_mm_inputs, mm_token_type_ids
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
@@ -58,18 +58,7 @@ class HFEngine:
             generation_config=self._generation_config(params),
             **mm,
         )  # [B, P + new]
-        return [self._to_rollout(p, out[row, width:].tolist()) for row, p in enumerate(prompts)]
-
-    def _to_rollout(self, prompt: Prompt, new_ids: list[int]) -> Rollout:
-        stop = next((i for i, t in enumerate(new_ids) if t in self.stop_ids), None)
-        response = new_ids if stop is None else new_ids[: stop + 1]
-        return Rollout(
-            prompt=prompt,
-            group_id=prompt.index,
-            response_ids=response,
-            response_text=self.tokenizer.decode(response, skip_special_tokens=True),
-            truncated=stop is None,
-        )
+        return [make_rollout(p, out[row, width:].tolist(), self.tokenizer, self.stop_ids) for row, p in enumerate(prompts)]
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -79,3 +68,9 @@ class HFEngine:
                 raise KeyError(f"weight sync: the engine model has no parameter '{name}'")
             params[name].copy_(tensor)
 
+    # The HF engine holds a CPU-sized copy and has nothing worth releasing during training.
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -21,7 +21,7 @@ from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
 from vlrft.rewards.mix import RewardMix
-from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
+from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
 
 
@@ -63,6 +63,21 @@ class MakerSettings:
     kl: KLSettings = field(default_factory=KLSettings)
     mask_truncated: bool = False
     image_check: ImageTokenCheck | None = None  # drops samples whose image tokens mismatch their pixels
+
+
+def token_metrics(rollouts: list[Rollout], old: list[torch.Tensor], entropy: list[torch.Tensor]) -> dict[str, float]:
+    """Global mean token entropy of the rollout policy and, when the engine reports its own
+    logprobs, how far they are from the trainer's (a stale or broken weight sync, or a
+    numerics gap between engine and trainer, shows here first)."""
+    tokens = sum(len(r.response_ids) for r in rollouts)
+    sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
+    metrics = {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
+    if rollouts and rollouts[0].logprobs is not None:  # one engine kind per run: all ranks agree
+        gaps = torch.cat([(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])  # [tokens]
+        gathered = all_gather_1d(gaps)
+        metrics["rollout/engine_logprob_diff_mean"] = float(gathered.mean()) if gathered.numel() else 0.0
+        metrics["rollout/engine_logprob_diff_max"] = float(gathered.max()) if gathered.numel() else 0.0
+    return metrics
 
 
 class FastExperienceMaker:
@@ -117,7 +132,7 @@ class FastExperienceMaker:
             torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
         )  # [N]
         token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
-        metrics: dict[str, float] = {}
+        metrics = token_metrics(rollouts, per_token["old"], per_token["entropy"])
         if s.image_check is not None:
             metrics["rollout/skipped_samples"] = float(all_reduce_sum(torch.tensor([float(skipped)])))
         if self.reference is not None:
@@ -146,6 +161,7 @@ class FastExperienceMaker:
         for i, e in enumerate(experiences):
             n = len(e.rollout.response_ids)
             e.old_logprobs = per_token["old"][i]
+            e.entropy = per_token["entropy"][i]
             e.ref_logprobs = per_token["ref"][i] if self.reference is not None else None
             e.advantages = advantages[i, :n].clone()
             if self.critic is not None:
@@ -170,8 +186,8 @@ class FastExperienceMaker:
 
     @torch.no_grad()
     def forward_pass(self, rollouts: list[Rollout]) -> dict[str, list[torch.Tensor]]:
-        """Per rollout, response-token tensors ([R_i]): old, ref, kl (policy vs reference) and
-        values, with the trainer's own forward, one micro-batch at a time."""
+        """Per rollout, response-token tensors ([R_i]): old, entropy, ref, kl (policy vs reference)
+        and values, with the trainer's own forward, one micro-batch at a time."""
         s = self.settings
         if not rollouts:
             raise ValueError("the experience pass needs at least one rollout on every rank")
@@ -179,11 +195,11 @@ class FastExperienceMaker:
         # Same number of forwards on every rank: sharded models gather inside forward.
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
         temperature = s.sampling.temperature
-        out: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "kl": [], "values": []}
+        out: dict[str, list[torch.Tensor]] = {"old": [], "entropy": [], "ref": [], "kl": [], "values": []}
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits
         for batch in batches:
             policy = policy_forward(self.policy(), batch, temperature, keep_logits=full)
-            found = {"old": policy.logp}
+            found = {"old": policy.logp, "entropy": policy.entropy}
             if self.reference is not None:
                 ref = policy_forward(self.reference, batch, temperature, keep_logits=full)
                 found["ref"] = ref.logp

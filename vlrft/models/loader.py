@@ -16,14 +16,33 @@ def is_vision_language(model_path: str) -> bool:
     return hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
 
 
-def load_model(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config."""
+def _model_class(model_path: str):
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"no HF checkpoint (config.json) in {model_path}")
-    cls = AutoModelForImageTextToText if is_vision_language(model_path) else AutoModelForCausalLM
-    model = cls.from_pretrained(model_path, dtype=dtype)
+    return AutoModelForImageTextToText if is_vision_language(model_path) else AutoModelForCausalLM
+
+
+def load_model(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config."""
+    model = _model_class(model_path).from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False  # training forwards never want a KV cache
     return model
+
+
+def tied_parameter_aliases(model_path: str) -> dict[str, list[str]]:
+    """Parameter name -> the other checkpoint names of the same tensor (tied embeddings:
+    `lm_head.weight` for `model.embed_tokens.weight`). `named_parameters()` lists a tied tensor
+    once, a checkpoint (state_dict) under every name; loaders that expect the checkpoint need
+    all of them. Read from a weightless (meta-device) instance of the architecture."""
+    with torch.device("meta"):
+        model = _model_class(model_path).from_config(AutoConfig.from_pretrained(model_path))
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owner = param_names.get(id(tensor))
+        if owner is not None and owner != name:
+            aliases.setdefault(owner, []).append(name)
+    return aliases
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -18,7 +18,7 @@ def evaluate(
 ) -> dict[str, float]:
     """`prompts` is this rank's shard; `sources` is the global, sorted list of data sources."""
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=1.0, greedy=True)
-    rollouts = engine.generate(prompts, params) if prompts else []
+    rollouts = engine.generate(prompts, params)  # called on every rank: a TP engine generates as a group
     scores = rewards.accuracy([r.response_text for r in rollouts], [sample_fields(r.prompt) for r in rollouts])
     per_source = defaultdict(lambda: [0.0, 0.0])
     for rollout, score in zip(rollouts, scores):

@@ -22,12 +22,20 @@ def union_over_ranks(names: set[str]) -> list[str]:
     return sorted(names)
 
 
-def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: list[str]) -> dict[str, float]:
-    """`sources` is the run's sorted list of training data sources (the same on every rank)."""
+def mark_correct(experiences: list[Experience], rewards: RewardMix) -> None:
+    """Set each experience's `correct` with the accuracy recipe (reusing its mix score)."""
     texts = [e.rollout.response_text for e in experiences]
     correct = rewards.accuracy(
         texts, [completion_fields(e.rollout) for e in experiences], [e.reward_components for e in experiences]
     )
+    for e, ok in zip(experiences, correct):
+        e.correct = ok
+
+
+def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: list[str]) -> dict[str, float]:
+    """`sources` is the run's sorted list of training data sources (the same on every rank);
+    the experiences went through `mark_correct`."""
+    correct = [e.correct for e in experiences]
     names = union_over_ranks({name for e in experiences for name in e.reward_components})
     failure_names = rewards.component_names()
     failures = rewards.take_failures()

@@ -24,6 +24,7 @@ from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
+from vlrft.metrics.external_sinks import configured_sinks
 from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
@@ -31,8 +32,10 @@ from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
 from vlrft.trainer.critic_update import critic_update
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
-from vlrft.trainer.rollout_metrics import rollout_metrics
+from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
+from vlrft.trainer.trajectory_metrics import trajectory_metrics
 from vlrft.trainer.update import policy_update
+from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
 
 
@@ -94,9 +97,7 @@ class SPMDTrainer:
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
-        self.engine = ENGINES.get(cfg.rollout.engine)(
-            model_path=cfg.model.path, tokenizer=tokenizer, stop_ids=stop_ids, banned_ids=banned_token_ids(tokenizer)
-        )
+        self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
         self.reference = None
         if cfg.algo.kl.coef > 0:
             self.reference = load_model(cfg.model.ref_path or cfg.model.path).eval().requires_grad_(False)
@@ -129,7 +130,9 @@ class SPMDTrainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             sinks = [ConsoleSink(cfg.train.total_steps), JsonlSink(self.out_dir / "metrics.jsonl")]
+            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg))
         self.logger = MetricsLogger(sinks)
+        self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
         self.eval_history: list[tuple[int, float]] = []
         self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
 
@@ -166,17 +169,25 @@ class SPMDTrainer:
         made = time.perf_counter()
         self.buffer.clear()
         self.buffer.add(experiences)
+        mark_correct(generated, self.rewards)
         metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | kl_metrics
+        metrics |= trajectory_metrics(experiences)
+        if self.saver.due(self.step, cfg.train.total_steps):
+            self.saver.save(self.step, experiences, [e.correct for e in experiences])
         self._check_rewards_not_all_zero(generated)
+        self.engine.sleep()  # the update needs the engine's accelerator memory
         if self.critic is not None:
             metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
-        if self.step > cfg.critic.freeze_actor_steps:
+        actor_updates = self.step > cfg.critic.freeze_actor_steps
+        if actor_updates:
             metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
             ptx = self.ptx.next_examples() if self.ptx is not None else []
             metrics |= policy_update(
                 self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
                 self.image_check,
             )
+        self.engine.wake()
+        if actor_updates:
             self._sync_weights()
         if self.reference is not None:
             metrics["train/kl_coef"] = self.kl_controller.coef

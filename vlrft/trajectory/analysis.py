@@ -49,15 +49,18 @@ def per_source_accuracy(records: list[dict]) -> dict[str, float]:
 
 
 def distribution(values: list[float]) -> dict[str, float]:
-    """mean / std (population) / min / p50 / p90 / max; empty input gives {}."""
+    """mean / std (population) / min / p50 / p90 / max; empty input gives {}. Plain float
+    arithmetic (math.fsum): a run's token entropies can number in the millions."""
     if not values:
         return {}
     ordered = sorted(values)
+    mean = math.fsum(ordered) / len(ordered)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in ordered) / len(ordered))
 
     def quantile(q: float) -> float:  # nearest rank: the ceil(q * n)-th smallest
         return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
 
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": float(ordered[0]),
+    return {"mean": mean, "std": std, "min": float(ordered[0]),
             "p50": quantile(0.5), "p90": quantile(0.9), "max": float(ordered[-1])}
 
 
@@ -69,7 +72,8 @@ def summarise(records: list[dict]) -> dict[str, float]:
     components: dict[str, list[float]] = defaultdict(list)
     for r in records:
         for name, value in r["components"].items():
-            components[name].append(value)
+            if value is not None:  # None: the recipe does not apply to this sample
+                components[name].append(value)
     for name, values in sorted(components.items()):
         stats = distribution(values)
         out |= {f"component/{name}/mean": stats["mean"], f"component/{name}/std": stats["std"]}
@@ -90,6 +94,6 @@ def summarise(records: list[dict]) -> dict[str, float]:
     out["zero_variance_group_frac"] = zero_variance_group_fraction(
         [r["reward"] for r in records], [r["group_id"] for r in records]
     )
-    entropies = [h for r in records for h in (r.get("entropy") or [])]
+    entropies = [h for r in records for h in (r.get("entropy") or []) if h is not None]  # None: non-finite
     out |= {f"entropy/{k}": v for k, v in distribution(entropies).items() if k in ("mean", "p90", "max")}
     return out

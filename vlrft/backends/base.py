@@ -18,6 +18,10 @@ class TrainBackend(Protocol):
     def step(self) -> float:
         """Apply the accumulated update; returns the global gradient norm before clipping."""
 
+    def skip_step(self) -> None:
+        """End the step without an update (a non-finite loss somewhere): drop the accumulated
+        gradients; parameters, optimizer state and lr schedule stay as they were."""
+
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full unsharded tensor) of every parameter; collective under sharding."""
 

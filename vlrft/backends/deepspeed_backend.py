@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 
+CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint
+
 # Parameters gathered per all-gather when streaming full weights out of ZeRO-3 (weight sync):
 # large enough to amortise the collective, small enough to bound the extra memory.
 GATHER_BUCKET_BYTES = 256 * 2**20
@@ -81,6 +83,21 @@ class DeepSpeedBackend:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
+    def skip_step(self) -> None:
+        """End the step without an update: drop the accumulated gradients, keep parameters,
+        optimizer state and lr schedule. The caller guarantees the gradients are non-finite on
+        some rank (trainer/update.py backpropagates NaN for a non-finite loss)."""
+        if self.zero_stage == 0:
+            # Gradients live in param.grad only (already all-reduced at the boundary).
+            self.engine.zero_grad()
+            return
+        # ZeRO 1-3 keep gradients in their own partition buffers; DeepSpeed's overflow path
+        # clears those: a non-finite global gradient norm (all-reduced, so every rank sees it)
+        # makes its optimizer skip the update and the engine skip the lr-scheduler step.
+        self.engine.step()
+        if self.engine.was_step_applied():
+            raise RuntimeError("DeepSpeed applied an optimizer step that had non-finite gradients")
+
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, unsharded, by HF name. Under ZeRO-3 a collective: every rank gathers
         the same buckets in the same order, one all-gather per bucket rather than per tensor."""
@@ -102,6 +119,17 @@ class DeepSpeedBackend:
         if self.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict()
         return self.module.state_dict()
+
+    def save_checkpoint(self, out_dir: Path) -> None:
+        """Model, optimizer and lr-scheduler state, sharded as trained (collective)."""
+        self.engine.save_checkpoint(str(out_dir), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_checkpoint(self, in_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(in_dir), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {in_dir}")
 
     def save_hf(self, out_dir: Path) -> None:
         state = self.full_state_dict()

@@ -20,23 +20,44 @@ REQUIRED_FIELDS = ("messages", "answer")
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """Read and validate a JSONL prompt file; image paths become absolute."""
+    """Read and validate a JSONL prompt file; image paths become absolute. The first bad line
+    raises its DataError."""
+    return read_rows(path, skip_bad=False)[0]
+
+
+def read_rows(path: str | Path, skip_bad: bool) -> tuple[list[dict], list[str]]:
+    """(valid rows, one-line problems of the lines left out). With `skip_bad` a bad line
+    (invalid JSON, not an object, a missing field, a missing image) is left out and its
+    problem returned; otherwise it raises. A file with no valid row raises either way."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
-    rows = []
-    with path.open() as f:
+    rows, problems = [], []
+    with path.open("rb") as f:  # decoded line by line: one non-UTF-8 line is one bad line
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg})") from None
-            rows.append(_validate_row(row, path, line_no))
+                rows.append(_parse_row(line, path, line_no))
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                problems.append(str(err))
+    if not rows and problems:
+        raise DataError(f"dataset file {path} has no valid rows ({len(problems)} bad, first: {problems[0]})")
     if not rows:
         raise DataError(f"dataset file {path} has no rows")
-    return rows
+    return rows, problems
+
+
+def _parse_row(line: bytes, path: Path, line_no: int) -> dict:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{path}:{line_no}: invalid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg})") from None
+    return _validate_row(row, path, line_no)
 
 
 def _validate_row(row: dict, path: Path, line_no: int) -> dict:
@@ -63,11 +84,15 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
     content = message["content"]
     if isinstance(content, str):
         return message
+    if not isinstance(content, list):
+        raise DataError(f"{where}: message 'content' must be a string or a list of parts")
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image":
-            image = Path(part.get("image", ""))
+            if not isinstance(part.get("image"), str) or not part["image"]:
+                raise DataError(f"{where}: an image part needs an 'image' path")
+            image = Path(part["image"])
             image = image if image.is_absolute() else base / image
             if not image.is_file():
                 raise DataError(f"{where}: image file not found: {image}")

@@ -9,9 +9,11 @@ classes that insist on a video processor need torchvision.
 
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from vlrft.data.dataset import DataError, image_paths
@@ -20,10 +22,20 @@ from vlrft.types import Prompt
 IMAGE_PAD = "<|image_pad|>"
 
 
-def load_rgb_image(source) -> Image.Image:
-    """An RGB PIL image from a path or a binary file object (fully read, file closed)."""
-    with Image.open(source) as img:
-        return img.convert("RGB")
+def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
+    """An RGB PIL image from a path or a binary file object (fully read, file closed).
+
+    An image over PIL's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`) raises instead of
+    only warning. With `max_pixels`, an image of 4x that or more is first shrunk by an integer
+    box filter to between 1x and 2.25x `max_pixels`, so the image processor (which resizes into
+    `[min_pixels, max_pixels]` anyway) never holds a full-size float copy of a huge photo.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(source) as img:
+            rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
+    factor = math.isqrt(rgb.width * rgb.height // max_pixels) if max_pixels else 1
+    return rgb.reduce(factor) if factor >= 2 else rgb
 
 
 try:  # qwen-vl-utils imports torchvision at import time; use it only where that works.
@@ -44,7 +56,7 @@ class PromptEncoder:
     def load_image(self, path: str) -> Image.Image:
         if _qwen_fetch_image is not None:
             return _qwen_fetch_image({"image": path, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
-        return load_rgb_image(path)
+        return load_rgb_image(path, max_pixels=self.max_pixels)
 
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
@@ -56,7 +68,8 @@ class PromptEncoder:
         for path in paths:
             try:
                 images.append(self.load_image(path))
-            except (OSError, UnidentifiedImageError) as err:
+            except Exception as err:  # noqa: BLE001 - PIL's decoders raise many types (OSError,
+                # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
                 raise DataError(f"{where}: cannot read image {path} ({err})") from None
         return self.encode_with_images(row, images, index)
 
@@ -69,7 +82,10 @@ class PromptEncoder:
             if self.image_processor is None:
                 raise DataError(f"{where} has images but the model checkpoint has no image processor")
             size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
-            mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
+            try:
+                mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
+            except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
+                raise DataError(f"{where}: cannot use its image ({err})") from None
         expanded = self._expand_image_pads(text, mm_inputs, where, len(images))
         ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
         image_pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

@@ -90,6 +90,7 @@ class VLLMEngine:
     ):
         # The engine runs inside this rank's process; vLLM must not spawn its own engine process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight sync in the run log
         try:
             from vllm import LLM
         except ImportError as error:

@@ -72,7 +72,9 @@ def token_metrics(rollouts: list[Rollout], old: list[torch.Tensor], entropy: lis
     tokens = sum(len(r.response_ids) for r in rollouts)
     sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
     metrics = {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
-    if rollouts and rollouts[0].logprobs is not None:  # one engine kind per run: all ranks agree
+    # One engine kind per run, but a rank may have no rollouts (all its prompts skipped): ask
+    # every rank, so all of them join the gather below or none does.
+    if all_reduce_max_int(int(bool(rollouts) and rollouts[0].logprobs is not None)):
         gaps = torch.cat([(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])  # [tokens]
         gathered = all_gather_1d(gaps)
         metrics["rollout/engine_logprob_diff_mean"] = float(gathered.mean()) if gathered.numel() else 0.0
@@ -118,13 +120,16 @@ class FastExperienceMaker:
             experiences = [experiences[i] for i in best_of_n(scores, group_ids, s.keep_per_prompt).tolist()]
         return experiences
 
-    def finish(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+    def finish(
+        self, experiences: list[Experience], placeholder: Experience | None = None
+    ) -> tuple[list[Experience], dict[str, float]]:
         """Old/ref logprobs, values and advantages for scored experiences (a collective: every
-        rank calls it once per step). Returns the experiences and rollout KL metrics."""
+        rank calls it once per step). Returns the experiences and rollout KL metrics. A rank
+        left with no experience runs `placeholder` (trainer/bad_input.py) through the forwards."""
         s = self.settings
         experiences, skipped = self._drop_bad_samples(experiences)
         rollouts = [e.rollout for e in experiences]
-        per_token = self.forward_pass(rollouts)
+        per_token = self.forward_pass(rollouts, placeholder.rollout if placeholder is not None else None)
         width = max((len(r.response_ids) for r in rollouts), default=0)
         mask = pad_rows([torch.ones(len(r.response_ids)) for r in rollouts], width)  # [N, R]
         scores = self.shape_rewards(
@@ -185,13 +190,16 @@ class FastExperienceMaker:
         return kept, len(experiences) - len(kept)
 
     @torch.no_grad()
-    def forward_pass(self, rollouts: list[Rollout]) -> dict[str, list[torch.Tensor]]:
+    def forward_pass(self, rollouts: list[Rollout], placeholder: Rollout | None = None) -> dict[str, list[torch.Tensor]]:
         """Per rollout, response-token tensors ([R_i]): old, entropy, ref, kl (policy vs reference)
-        and values, with the trainer's own forward, one micro-batch at a time."""
+        and values, with the trainer's own forward, one micro-batch at a time. With no rollouts,
+        `placeholder` is run as a dummy micro-batch so this rank still joins its peers' forwards."""
         s = self.settings
-        if not rollouts:
-            raise ValueError("the experience pass needs at least one rollout on every rank")
         batches = [pack(g) for g in split_by_token_budget(rollouts, s.micro_batch_tokens)]
+        if not batches:
+            if placeholder is None:
+                raise ValueError("the experience pass needs at least one rollout on every rank")
+            batches = [pack([placeholder], dummy=True)]
         # Same number of forwards on every rank: sharded models gather inside forward.
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
         temperature = s.sampling.temperature

@@ -12,11 +12,19 @@ from vlrft.experience.collate import response_rows
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.value_model import token_values
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
-from vlrft.trainer.update import drop_bad_micro_batches, loss_mask, sample_rows, step_normalisers
+from vlrft.trainer.update import (
+    backward_guarded,
+    drop_bad_micro_batches,
+    loss_mask,
+    sample_rows,
+    step_normalisers,
+    step_or_skip,
+)
 
 
 def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, image_check=None) -> dict[str, float]:
     metrics: dict[str, float] = {}
+    skipped_steps = 0  # optimizer steps skipped for a non-finite value loss
     for _ in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
@@ -25,6 +33,7 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
             continue
         total_tokens, total_seqs = step_normalisers(batches)
         sums = torch.zeros(4)  # loss share, token sums of: values, returns, squared error
+        nonfinite = 0
         for i, batch in enumerate(batches):
             mask = loss_mask(batch)  # [S, R]
             values = response_rows(batch, token_values(backend.model, batch))  # [S, R]
@@ -32,10 +41,13 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
             returns = sample_rows(batch, "returns")  # [S, R]
             per_token = value_loss(values, old, returns, cfg.critic.value_clip)
             loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
-            backend.backward(loss * world_size, boundary=i == len(batches) - 1)
+            nonfinite += not backward_guarded(backend, loss, values, world_size, boundary=i == len(batches) - 1)
             with torch.no_grad():
                 sums += torch.stack([loss, (values * mask).sum(), (returns * mask).sum(), ((values - returns) ** 2 * mask).sum()])
-        grad_norm = backend.step()
+        grad_norm = step_or_skip(backend, nonfinite, "critic")
+        if grad_norm is None:
+            skipped_steps += 1
+            continue
         sums = all_reduce_sum(sums)
         tokens = max(total_tokens, 1.0)
         metrics = {
@@ -45,4 +57,5 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
             "critic/mse": float(sums[3]) / tokens,
             "critic/grad_norm": grad_norm,
         }
+    metrics["critic/skipped_nonfinite_steps"] = float(skipped_steps)
     return metrics

@@ -7,15 +7,16 @@ update -> sync -> log/evaluate -> save
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
 from vlrft.config import Config, ConfigError, check_world_size, to_dict
-from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
@@ -28,7 +29,18 @@ from vlrft.metrics.external_sinks import configured_sinks
 from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
+from vlrft.trainer.bad_input import BadInput
 from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
+from vlrft.trainer.checkpoint import (
+    clear_temporaries,
+    publish,
+    resume_path,
+    rng_state,
+    set_rng_state,
+    step_dir_name,
+    temporary_dir,
+    truncate_metrics_after,
+)
 from vlrft.trainer.critic_update import critic_update
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
 from vlrft.trainer.evaluate import evaluate
@@ -37,6 +49,14 @@ from vlrft.trainer.trajectory_metrics import trajectory_metrics
 from vlrft.trainer.update import policy_update
 from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
+
+
+class TrainingStopped(Exception):
+    """Training ended early on a signal, after saving a checkpoint to resume from."""
+
+    def __init__(self, step: int, checkpoint: Path, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
+        self.step, self.checkpoint, self.signum = step, checkpoint, signum
 
 
 class SPMDTrainer:
@@ -58,14 +78,17 @@ class SPMDTrainer:
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
         stop_ids = stop_token_ids(tokenizer)
-        self.train_rows = load_rows(cfg.data.train_path)
-        eval_rows = load_rows(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
+        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size)  # data.on_bad_sample
+        self.train_rows = self.bad_input.load(cfg.data.train_path)
+        eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})
-        self.eval_prompts = [self.encoder.encode(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank]
+        mine = [(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank]
+        self.eval_prompts = self.bad_input.encode_at_start(self.encoder, mine)
         self.ptx = None
         if cfg.data.ptx_path:
             self.ptx = PtxStream(
-                cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0]
+                cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0],
+                self.bad_input,
             )
 
         def backend(model: torch.nn.Module, lr: float) -> DeepSpeedBackend:
@@ -135,14 +158,30 @@ class SPMDTrainer:
         self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
         self.eval_history: list[tuple[int, float]] = []
         self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
+        # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops.
+        self.stop_signal: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
+        resume_from = resume_path(cfg.checkpoint.resume, self.out_dir)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg
-        self._maybe_evaluate(0)
-        for step in range(1, cfg.train.total_steps + 1):
-            self.logger.log(step, self.train_step())
+        if self.step == 0:  # a resumed run evaluated its start already
+            self._maybe_evaluate(0)
+        while self.step < cfg.train.total_steps:
+            metrics = self.train_step()  # advances self.step
+            step = self.step
+            self.logger.log(step, metrics)
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
                 self._maybe_evaluate(step)
+            stop = float(all_reduce_sum(torch.tensor([float(self.stop_signal is not None)]))) > 0
+            if stop or (cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0):
+                saved = self.save_checkpoint()
+            if stop:
+                self.logger.close()
+                raise TrainingStopped(step, saved, self.stop_signal or signal.SIGTERM)
         self.backend.save_hf(self.out_dir / "final")
         exported = [self.out_dir / "final"]
         if self.policy_ema is not None:
@@ -165,10 +204,13 @@ class SPMDTrainer:
         self.step += 1
         start = time.perf_counter()
         kept, generated, metrics = self._collect_experiences()
-        experiences, kl_metrics = self.maker.finish(kept)
+        metrics |= self.bad_input.start_metrics()  # data/skipped_rows, in this process's first step
+        # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
+        placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
+        experiences, kl_metrics = self.maker.finish(kept, placeholder)
         made = time.perf_counter()
         self.buffer.clear()
-        self.buffer.add(experiences)
+        self.buffer.add(experiences or [placeholder])
         mark_correct(generated, self.rewards)
         metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | kl_metrics
         metrics |= trajectory_metrics(experiences)
@@ -204,14 +246,16 @@ class SPMDTrainer:
         target = rollout.rollout_prompts // self.world_size  # groups per rank
         kept: list[Experience] = []
         generated: list[Experience] = []
-        rounds = 0
+        rounds = skipped = 0
         while True:
-            prompts = [self.encoder.encode(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
+            items = [(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
+            prompts, bad = self.bad_input.encode(self.encoder, items)  # bad prompts: all ranks
+            skipped += bad
             scored = self.maker.generate_and_score(prompts)
             generated += scored
             rounds += 1
             if not rollout.dynamic_sampling:
-                return scored, generated, {}
+                return scored, generated, {"data/skipped_prompts": float(skipped)}
             rewards = torch.tensor([e.total_reward for e in scored])
             spread = groups_with_spread(rewards, torch.tensor([e.rollout.group_id for e in scored]))
             kept += [e for e, keep in zip(scored, spread.tolist()) if keep]
@@ -222,7 +266,7 @@ class SPMDTrainer:
         n_kept = len({e.rollout.group_id for e in kept})
         first_groups = sorted({e.rollout.group_id for e in kept})[:target]
         kept = [e for e in kept if e.rollout.group_id in first_groups]
-        if not kept:
+        if not kept and generated:
             # Nothing left to learn from on this rank: one dropped group keeps the rank in
             # step with the others (same collectives) and contributes nothing to the loss.
             last = generated[-1].rollout.group_id
@@ -233,6 +277,7 @@ class SPMDTrainer:
         return kept, generated, {
             "rollout/dropped_group_frac": 1.0 - totals[1] / max(totals[0], 1.0),
             "rollout/sampling_rounds": float(rounds),
+            "data/skipped_prompts": float(skipped),
         }
 
     def _sync_weights(self) -> None:
@@ -251,6 +296,82 @@ class SPMDTrainer:
 
         self.engine.update_weights(params())
 
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def save_checkpoint(self) -> Path:
+        """Write this step's checkpoint (collective; layout and atomicity: trainer/checkpoint.py)."""
+        temporary = temporary_dir(self.out_dir, self.step)
+        if self.rank == 0:
+            clear_temporaries(self.out_dir)
+            temporary.mkdir(parents=True)
+        dist.barrier()
+        self.backend.save_checkpoint(temporary / "policy")
+        if self.critic is not None:
+            self.critic.save_checkpoint(temporary / "critic")
+        torch.save(
+            {
+                "rng": rng_state(),
+                "buffer_generator": self.buffer.generator.get_state(),
+                "prompts_consumed": self.sampler.consumed,
+                "ptx_position": self.ptx.position if self.ptx is not None else 0,
+            },
+            temporary / f"rank{self.rank}.pt",
+        )
+        if self.rank == 0:
+            moving_reference = self.reference is not None and self.cfg.algo.kl.ref_ema_eta > 0
+            torch.save(
+                {
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "kl_controller": self.kl_controller.state_dict(),
+                    "return_stats": self.return_stats.state_dict() if self.return_stats is not None else None,
+                    "policy_ema": self.policy_ema,
+                    "reference": self.reference.state_dict() if moving_reference else None,
+                    "eval_history": self.eval_history,
+                    "zero_reward_streak": self.zero_reward_watch.streak,
+                },
+                temporary / "trainer.pt",
+            )
+        dist.barrier()  # every rank's files are complete: only now may the checkpoint appear
+        final = temporary.with_name(step_dir_name(self.step))
+        if self.rank == 0:
+            publish(temporary, self.cfg.checkpoint.keep_last)
+        dist.barrier()
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Continue exactly where the checkpoint left off (every rank)."""
+        state = torch.load(path / "trainer.pt", weights_only=False)
+        if state["world_size"] != self.world_size:
+            raise ConfigError(
+                f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
+                f"(this run has {self.world_size})"
+            )
+        mine = torch.load(path / f"rank{self.rank}.pt", weights_only=False)
+        self.backend.load_checkpoint(path / "policy")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        self.step = state["step"]
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.return_stats is not None:
+            self.return_stats.load_state_dict(state["return_stats"])
+        if self.policy_ema is not None:
+            self.policy_ema = state["policy_ema"]
+        if state["reference"] is not None:
+            self.reference.load_state_dict(state["reference"])
+        self.eval_history = state["eval_history"]
+        self.zero_reward_watch.streak = state["zero_reward_streak"]
+        self.sampler.consumed = mine["prompts_consumed"]
+        if self.ptx is not None:
+            self.ptx.position = mine["ptx_position"]
+        self.buffer.generator.set_state(mine["buffer_generator"])
+        self.engine.update_weights(self.backend.named_full_parameters())  # serve the restored policy
+        if self.rank == 0:
+            truncate_metrics_after(self.out_dir / "metrics.jsonl", self.step)
+            print(f"vlrft: resumed from {path} at step {self.step}", flush=True)
+        set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+
     def _maybe_evaluate(self, step: int) -> None:
         if not self.eval_sources or not self.cfg.eval.every_steps:
             return
@@ -264,10 +385,12 @@ class SPMDTrainer:
 
     def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:
         # A dense-only mix scores through dense_reward: any non-zero token reward counts.
-        nonzero = all_reduce_sum(
-            torch.tensor([float(sum(e.reward != 0 or any(e.dense_reward or []) for e in experiences))])
-        )
-        if self.zero_reward_watch.update(all_zero=float(nonzero) == 0):
+        nonzero, count = all_reduce_sum(
+            torch.tensor([float(sum(e.reward != 0 or any(e.dense_reward or []) for e in experiences)), len(experiences)])
+        ).tolist()
+        if count == 0:  # every prompt of the step was skipped (bad input): nothing was scored
+            return
+        if self.zero_reward_watch.update(all_zero=nonzero == 0):
             raise RewardError(
                 f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
                 f"check the reward recipes ({', '.join(self.rewards.component_names())}); usually a broken verifier"

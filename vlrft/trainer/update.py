@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
@@ -45,6 +46,37 @@ def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[Micro
             local[i] = 1.0
     bad = (all_reduce_sum(local) > 0).tolist()
     return [b for b, skip in zip(batches, bad) if not skip], int(sum(bad))
+
+
+def backward_guarded(backend: TrainBackend, loss: torch.Tensor, anchor: torch.Tensor, scale: float, boundary: bool) -> bool:
+    """Backward of one micro-batch's loss; False when the loss is not finite. Then `anchor`
+    (a tensor wired through the model, e.g. its logprobs) times NaN is backpropagated instead:
+    the step's gradients are certainly non-finite, which `step_or_skip` needs, and this rank
+    makes the same backward (and gradient collectives) as its peers."""
+    finite = bool(torch.isfinite(loss.detach()).all())
+    backend.backward((loss if finite else anchor.sum() * float("nan")) * scale, boundary=boundary)
+    return finite
+
+
+def step_or_skip(backend: TrainBackend, nonfinite: int, what: str) -> float | None:
+    """The optimizer step, unless some rank had a non-finite micro-batch loss in it (`nonfinite`
+    on this rank; all-reduced, so every rank steps or skips together). A skipped step drops
+    the gradients and leaves parameters, optimizer state and lr schedule as they were.
+    Returns the gradient norm, or None when skipped."""
+    per_rank = torch.zeros(dist.get_world_size())
+    per_rank[dist.get_rank()] = nonfinite
+    per_rank = all_reduce_sum(per_rank)  # [world] non-finite micro-batch losses per rank
+    if per_rank.sum() == 0:
+        return backend.step()
+    backend.skip_step()
+    if dist.get_rank() == 0:
+        ranks = ", ".join(str(r) for r in per_rank.nonzero().flatten().tolist())
+        print(
+            f"vlrft: skipped a {what} optimizer step: non-finite loss in {int(per_rank.sum())} micro-batch(es) "
+            f"on rank {ranks}; parameters and optimizer state unchanged",
+            flush=True,
+        )
+    return None
 
 
 def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
@@ -96,7 +128,7 @@ def policy_update(
     `image_check` (an ImageTokenCheck) guards each micro-batch before its forward."""
     algo = cfg.algo
     metrics: dict[str, float] = {}
-    epochs_run = skipped = 0
+    epochs_run = skipped = nonfinite = 0
     for epoch in range(cfg.train.ppo_epochs):
         batches = buffer.micro_batches(shuffle=True)
         batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
@@ -110,14 +142,19 @@ def policy_update(
             if should_stop_early(ratio, kl, algo.early_stop_ratio, algo.target_kl):
                 break
         extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)
-        metrics |= _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
+        step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
+        nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
+        metrics |= step_metrics
         epochs_run += 1
     metrics["train/epochs_run"] = float(epochs_run)
     metrics["train/skipped_micro_batches"] = float(skipped)
+    metrics["train/skipped_nonfinite_steps"] = float(nonfinite)
     return metrics
 
 
 def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference) -> dict[str, float]:
+    """One optimizer step over the micro-batches; its metrics, or {} when it was skipped for a
+    non-finite loss."""
     algo = cfg.algo
     temperature = cfg.rollout.temperature
     kl_in_loss = kl_coef > 0 and algo.kl.placement == "loss"
@@ -127,6 +164,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
     work = [(False, b) for b in batches] + [(True, b) for b in ptx]
     step_loss = torch.zeros(1)  # sum of micro-batch shares = this step's loss
     sums = torch.zeros(7)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
+    nonfinite = 0  # micro-batches of this step whose loss was NaN or infinite
     for i, (is_ptx, batch) in enumerate(work):
         mask = loss_mask(batch)  # [S, R] the loss layout: a row per sample, responses left-aligned
         # The supervised term is the NLL of the model itself: no sampling temperature.
@@ -173,9 +211,11 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
                 ratio = torch.exp((logp - old).clamp(-20, 20))
                 sums[:5] += torch.stack([(t * mask).sum() for t in (pg, kl, clip_hit, ratio, entropy)])
         # DeepSpeed averages gradients over ranks; the loss is already globally normalised.
-        backend.backward(loss * world_size, boundary=i == len(work) - 1)
+        nonfinite += not backward_guarded(backend, loss, out.logp, world_size, boundary=i == len(work) - 1)
         step_loss += loss.detach()
-    grad_norm = backend.step()
+    grad_norm = step_or_skip(backend, nonfinite, "policy")
+    if grad_norm is None:
+        return {}
     sums = all_reduce_sum(sums)
     token_means = sums[:5] / max(total_tokens, 1.0)
     metrics = {

@@ -1,0 +1,175 @@
+"""Issue-8 acceptance: exact resume after SIGKILL (one process: same final parameters and
+metrics; two ranks: the same prompts on each rank after the resume) and a kill while a
+checkpoint is being written (the previous checkpoint stays intact and resumable)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from tests.integration.test_torchrun_training import RECIPE, free_port
+from vlrft.models.loader import load_model
+
+pytestmark = pytest.mark.integration
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+KILL_WORKER = Path(__file__).with_name("kill_during_save_worker.py")
+
+
+def write_config(root: Path, model: str, dataset: Path, run: str, **extra) -> Path:
+    (root / "recipe.py").write_text(RECIPE)
+    config = {
+        "model": {"path": model},
+        "data": {"train_path": str(dataset / "train.jsonl")},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6},
+        # KL with an adaptive coefficient, a moving reference and a policy EMA: state beyond
+        # the weights that a resume must restore.
+        "algo": {"kl": {"coef": 0.05, "target": 0.01, "horizon": 100, "ref_ema_eta": 0.1}},
+        "train": {"total_steps": 5, "lr": 1e-2, "lr_schedule": "cosine", "ema_beta": 0.5, "micro_batch_tokens": 200},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
+        "eval": {"every_steps": 0},
+        "trajectory": {"save_every": 1},
+        "checkpoint": {"save_steps": 1, "keep_last": 2},
+        "output": {"dir": str(root / run)},
+    } | extra
+    path = root / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def launch(config: Path, ranks: int) -> subprocess.Popen:
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "vlrft.cli", "train", str(config)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), "-m", "vlrft.cli", "train", str(config)]
+    return subprocess.Popen(cmd, cwd=config.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path) -> None:
+    deadline = time.time() + 600
+    while not checkpoint.is_dir():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    # Every process of the run at once, like a lost machine (torchrun starts its ranks in
+    # sessions of their own, so a process-group kill would miss them).
+    launcher = psutil.Process(proc.pid)
+    for process in [launcher, *launcher.children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """step -> metrics without timings (perf/*), the only values allowed to differ."""
+    merged: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        merged.setdefault(row.pop("step"), {}).update({k: v for k, v in row.items() if not k.startswith("perf/")})
+    return merged
+
+
+def prompt_ids(run_dir: Path, step: int, rank: int) -> list[str]:
+    lines = (run_dir / "trajectories" / f"step_{step:06d}.rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line)["id"] for line in lines]
+
+
+def max_param_diff(a: Path, b: Path) -> float:
+    first, second = load_model(str(a)), load_model(str(b))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(first.parameters(), second.parameters()))
+
+
+def test_single_process_resume_after_sigkill_is_exact(tiny_text, addition_data, tmp_path):
+    finish(launch(write_config(tmp_path, tiny_text, addition_data, "straight"), ranks=1))
+    config = write_config(tmp_path, tiny_text, addition_data, "killed")
+    proc = launch(config, ranks=1)
+    kill_after_checkpoint(proc, tmp_path / "killed" / "checkpoints" / "step_000002")
+    out = finish(launch(config, ranks=1))
+    assert "resumed from" in out and "at step 2" in out
+
+    straight, resumed = tmp_path / "straight", tmp_path / "killed"
+    assert max_param_diff(straight / "final", resumed / "final") <= 1e-6
+    assert max_param_diff(straight / "final_ema", resumed / "final_ema") <= 1e-6
+    expected, got = step_metrics(straight), step_metrics(resumed)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5]  # no step lost or logged twice
+    for step in (3, 4, 5):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-9), step
+    # Rotation kept the newest two; no temporary is left behind.
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_000004", "step_000005"]
+
+
+def test_two_rank_resume_continues_from_each_ranks_position(tiny_text, addition_data, tmp_path):
+    finish(launch(write_config(tmp_path, tiny_text, addition_data, "straight", train={
+        "total_steps": 4, "lr": 1e-2, "micro_batch_tokens": 200}), ranks=2))
+    config = write_config(tmp_path, tiny_text, addition_data, "killed", train={
+        "total_steps": 4, "lr": 1e-2, "micro_batch_tokens": 200})
+    proc = launch(config, ranks=2)
+    kill_after_checkpoint(proc, tmp_path / "killed" / "checkpoints" / "step_000002")
+    out = finish(launch(config, ranks=2))
+    assert "resumed from" in out and "at step 2" in out, out[-6000:]
+    for step in (3, 4):
+        for rank in (0, 1):
+            assert prompt_ids(tmp_path / "killed", step, rank) == prompt_ids(tmp_path / "straight", step, rank)
+    assert max_param_diff(tmp_path / "straight" / "final", tmp_path / "killed" / "final") <= 1e-5
+
+
+def test_kill_while_saving_keeps_the_previous_checkpoint(tiny_text, addition_data, tmp_path):
+    config = write_config(tmp_path, tiny_text, addition_data, "run")
+    # The worker dies (os._exit, no clean-up) half-way through writing step 2's trainer.pt.
+    proc = subprocess.run([sys.executable, str(KILL_WORKER), str(config), "step_000002"], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step_000002", "step_000001"]
+    intact = torch.load(checkpoints / "step_000001" / "trainer.pt", weights_only=False)
+    assert intact["step"] == 1
+    out = finish(launch(config, ranks=1))
+    assert "resumed from" in out and "step_000001 at step 1" in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000005"]
+    assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tiny_text, addition_data, tmp_path):
+    # No scheduled checkpoints: the only one is the one the signal asks for.
+    config = write_config(tmp_path, tiny_text, addition_data, "run",
+                          checkpoint={"save_steps": 0, "keep_last": 2}, eval={"every_steps": 5, "max_prompts": 4},
+                          data={"train_path": str(addition_data / "train.jsonl"), "eval_path": str(addition_data / "test.jsonl")})
+    proc = launch(config, ranks=1)
+    first_step = tmp_path / "run" / "trajectories" / "step_000001.rank0.jsonl"
+    while not first_step.is_file():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    assert "stopped by signal SIGTERM after step" in out and "run the same command again to resume" in out
+    (saved,) = (tmp_path / "run" / "checkpoints").iterdir()
+    stopped_at = int(saved.name.split("_")[1])
+    assert 1 <= stopped_at < 5
+
+    out = finish(launch(config, ranks=1))
+    assert f"at step {stopped_at}" in out
+    metrics = step_metrics(tmp_path / "run")
+    assert sorted(metrics) == [0, 1, 2, 3, 4, 5] and "eval/accuracy" in metrics[5]
+    # The export is a plain HF checkpoint that loads and generates.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = tmp_path / "run" / "final"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    ids = tokenizer("1 + 2 =", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]

@@ -1,0 +1,106 @@
+"""`data.on_bad_sample`: what a bad row or prompt does to a run (README, "Bad input").
+
+`error` stops the run with the problem's one-line message; `skip` leaves the row or prompt
+out, prints one line naming it and counts it (`data/skipped_rows`, `data/skipped_prompts`).
+Prompts are encoded rank by rank, so every decision that changes what a rank runs next is
+all-reduced: a bad prompt on one rank stops every rank (error) or is dropped on its own rank
+only, with a placeholder keeping an emptied rank in the collectives (skip).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlrft.data.dataset import DataError, read_rows
+from vlrft.data.encoding import PromptEncoder
+from vlrft.trainer.distributed import all_reduce_sum
+from vlrft.types import Experience, Prompt, Rollout
+
+
+def placeholder(prompt: Prompt) -> Experience:
+    """An experience that runs the model on `prompt` with an empty response and adds nothing:
+    no response tokens, out of the loss and its denominators, never scored or logged. A rank
+    whose prompts were all skipped runs it through the experience pass and the update, so it
+    makes the same forwards, backwards and collectives as its peers."""
+    rollout = Rollout(prompt=prompt, group_id=-1, response_ids=[], response_text="", truncated=False)
+    empty = torch.zeros(0)
+    return Experience(
+        rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, advantages=empty, values=empty, returns=empty,
+        entropy=empty, in_loss=False,
+    )
+
+
+class BadInput:
+    def __init__(self, mode: str, rank: int, world_size: int):
+        self.skip = mode == "skip"
+        self.rank = rank
+        self.world_size = world_size
+        self.skipped_rows = 0  # rows left out before training (summed over ranks where rank-local)
+        self._start_reported = False
+        self._placeholder: Experience | None = None
+
+    def _say(self, message: str) -> None:
+        where = f"rank {self.rank}: " if self.world_size > 1 else ""
+        print(f"vlrft: {where}{message}", flush=True)
+
+    def load(self, path: str | Path) -> list[dict]:
+        """The valid rows of a JSONL file (every rank reads the whole file; rank 0 reports)."""
+        rows, problems = read_rows(path, skip_bad=self.skip)
+        self.skipped_rows += len(problems)
+        if problems and self.rank == 0:
+            for problem in problems:
+                print(f"vlrft: skipping {problem} (on_bad_sample: skip)", flush=True)
+            print(f"vlrft: skipped {len(problems)} bad rows of {path} (on_bad_sample: skip)", flush=True)
+        return rows
+
+    def encode(self, encoder: PromptEncoder, items: list[tuple[dict, int]]) -> tuple[list[Prompt], int]:
+        """Encode this rank's (row, stream index) pairs -> (prompts, prompts skipped on all
+        ranks). A collective: every rank calls it, with however many items it has."""
+        prompts, problems = [], []
+        for row, index in items:
+            try:
+                prompts.append(encoder.encode(row, index))
+            except DataError as err:
+                problems.append(str(err))
+        failed = torch.zeros(self.world_size)
+        failed[self.rank] = len(problems)
+        failed = all_reduce_sum(failed)  # [world] bad prompts per rank
+        if failed.sum() > 0 and not self.skip:
+            if problems:
+                raise DataError(problems[0])
+            bad_rank = int(failed.nonzero()[0])
+            raise DataError(f"rank {bad_rank} stopped on a bad prompt (data.on_bad_sample: error); its message names the row")
+        for problem in problems:
+            self._say(f"skipping {problem} (on_bad_sample: skip)")
+        return prompts, int(failed.sum())
+
+    def encode_at_start(self, encoder: PromptEncoder, items: list[tuple[dict, int]]) -> list[Prompt]:
+        """`encode` for prompts encoded once before training (evaluation, PTX): their skipped
+        rows count in `data/skipped_rows`."""
+        prompts, skipped = self.encode(encoder, items)
+        self.skipped_rows += skipped
+        return prompts
+
+    def start_metrics(self) -> dict[str, float]:
+        """{"data/skipped_rows": rows left out before training} once (the first step this
+        process runs, so a resumed run reports it too), then {}."""
+        if self._start_reported:
+            return {}
+        self._start_reported = True
+        return {"data/skipped_rows": float(self.skipped_rows)}
+
+    def placeholder(self, encoder: PromptEncoder, rows: list[dict]) -> Experience:
+        """This rank's placeholder experience (see `placeholder`), on the first row that encodes,
+        so it has the data's modality. Found once, silently, without collectives."""
+        if self._placeholder is None:
+            for row in rows:
+                try:
+                    self._placeholder = placeholder(encoder.encode(row, -1))
+                    break
+                except DataError:
+                    continue
+            else:
+                raise DataError("no training row can be encoded (every prompt is bad); nothing to train on")
+        return self._placeholder

@@ -2,7 +2,7 @@
 
     python bench/engine.py [--prompts 16] [--n 4] [--max-new-tokens 64]
 
-Model: a randomly initialised ~40M-parameter Qwen2-shaped causal LM (hidden 512, 11 layers,
+Model: a randomly initialised ~33M-parameter Qwen2-shaped causal LM (hidden 512, 11 layers,
 the tiny tokenizer's vocabulary), fp32, saved to a temporary directory and loaded by both
 engines with from_pretrained. Prompts: 64 random tokens each. Both engines sample at
 temperature 1 through vlrft's own engine classes (what `rollout.engine: hf | vllm` runs);

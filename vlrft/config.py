@@ -7,6 +7,7 @@ keys, so a typo can never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -183,12 +184,13 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the run dir's newest checkpoint, if any | never | a checkpoint path
 
 
-WANDB_MODES = ("off", "offline", "online")
+# Not "off": YAML reads an unquoted off as the boolean false.
+WANDB_MODES = ("disabled", "offline", "online")
 
 
 @dataclass
 class LoggingConfig:
-    wandb: str = "off"  # off | offline (no account, files under output.dir/wandb) | online
+    wandb: str = "disabled"  # disabled | offline (no account, files under output.dir/wandb) | online
     wandb_project: str = "vlrft"
     tensorboard: bool = False  # event files under output.dir/tensorboard
 
@@ -323,6 +325,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.engine_tp_size' applies to rollout.engine 'vllm' only")
     if cfg.logging.wandb not in WANDB_MODES:
         raise ConfigError(f"config key 'logging.wandb' is '{cfg.logging.wandb}'; valid: {', '.join(WANDB_MODES)}")
+    # Checked here, before models load, rather than when rank 0 builds the sinks.
+    needed = {"logging.wandb": ("wandb", "pip install 'vlrft[wandb]'")} if cfg.logging.wandb != "disabled" else {}
+    if cfg.logging.tensorboard:
+        needed["logging.tensorboard"] = ("tensorboard", "pip install 'vlrft[tensorboard]'")
+    for key, (package, install) in needed.items():
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"config key '{key}' needs the {package} package, which is not installed: {install}")
     if cfg.checkpoint.save_steps < 0:
         raise ConfigError(f"config key 'checkpoint.save_steps' must be >= 0 (0 = only on a signal), got {cfg.checkpoint.save_steps}")
     if cfg.checkpoint.keep_last < 1:

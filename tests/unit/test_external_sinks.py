@@ -111,8 +111,8 @@ def test_wandb_offline_run_is_complete_with_name_project_and_config(wandb_run):
 
 
 def test_wandb_mode_must_be_offline_or_online(tmp_path):
-    with pytest.raises(ValueError, match="logging.wandb: unknown mode 'off'"):
-        WandbSink(tmp_path, project="p", run_name="r", config={}, mode="off")
+    with pytest.raises(ValueError, match="logging.wandb: unknown mode 'disabled'"):
+        WandbSink(tmp_path, project="p", run_name="r", config={}, mode="disabled")
 
 
 def test_tensorboard_has_every_metric_at_its_step(tmp_path):

@@ -30,3 +30,9 @@ class TrainBackend(Protocol):
 
     def save_state_dict(self, out_file: Path) -> None:
         """torch.save the full state dict (collective; rank 0 writes), for non-HF modules."""
+
+    def save_checkpoint(self, out_dir: Path) -> None:
+        """Model, optimizer and lr-scheduler state as sharded (collective; every rank writes)."""
+
+    def load_checkpoint(self, in_dir: Path) -> None:
+        """Restore what `save_checkpoint` wrote (collective)."""

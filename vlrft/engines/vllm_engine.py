@@ -87,6 +87,7 @@ class VLLMEngine:
         seed: int,
         max_model_len: int,
         memory_fraction: float,
+        image_pixels: tuple[int, int] = (3136, 12544),
     ):
         # The engine runs inside this rank's process; vLLM must not spawn its own engine process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -128,6 +129,11 @@ class VLLMEngine:
             enforce_eager=not torch.cuda.is_available(),  # CPU: skip graph capture/compile
             logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
             generation_config="vllm",  # no checkpoint sampling defaults (top_k, penalties)
+            # Images are resized by the same min/max-pixel rule as the trainer's encoder, so both
+            # expand an image into the same number of tokens.
+            mm_processor_kwargs=(
+                {"min_pixels": image_pixels[0], "max_pixels": image_pixels[1]} if is_vision_language(model_path) else None
+            ),
         )
 
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
@@ -146,8 +152,13 @@ class VLLMEngine:
         outputs = self.llm.generate(all_requests, sampling, use_tqdm=False)[offset : offset + len(prompts)]
         rollouts = []
         for prompt, output in zip(prompts, outputs):
+            if len(output.prompt_token_ids) != len(prompt.prompt_ids):
+                raise RuntimeError(
+                    f"row {prompt.id}: vLLM built a {len(output.prompt_token_ids)}-token prompt, the trainer "
+                    f"{len(prompt.prompt_ids)} tokens (image token counts disagree)"
+                )
             for sample in output.outputs:
-                logprobs = [next(iter(step.values())).logprob for step in sample.logprobs]
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
                 rollouts.append(make_rollout(prompt, list(sample.token_ids), self.tokenizer, self.stop_ids, logprobs))
         return rollouts
 

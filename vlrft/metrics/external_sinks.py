@@ -19,7 +19,7 @@ class WandbSink:
     """Logs every write as part of the history row of its step; `mode="offline"` keeps the run
     on disk under `run_dir/wandb/` (upload it later with `wandb sync`)."""
 
-    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict, mode: str):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict, mode: str, resumed: bool = False):
         if mode not in WANDB_MODES:
             raise ValueError(f"logging.wandb: unknown mode '{mode}'; valid: {', '.join(WANDB_MODES)}")
         try:
@@ -31,7 +31,12 @@ class WandbSink:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(dir=str(run_dir), project=project, name=run_name, config=config, mode=mode)
+        # A resumed training run continues its W&B run (same id) instead of starting another.
+        id_file = run_dir / "wandb" / "run_id"
+        same_run = {"id": id_file.read_text().strip(), "resume": "allow"} if resumed and id_file.is_file() else {}
+        self.run = wandb.init(dir=str(run_dir), project=project, name=run_name, config=config, mode=mode, **same_run)
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(self.run.id)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         # wandb merges writes that share a step into one history row (the trainer logs eval
@@ -50,14 +55,15 @@ class WandbSink:
 class TensorboardSink:
     """Writes each metric as a TensorBoard scalar (tag = metric name) at `step`."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
             raise MissingSinkPackage(
                 "logging.tensorboard is set but the tensorboard package is not installed: pip install tensorboard"
             ) from error
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: a resumed run hides the events the killed run wrote after its checkpoint.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -68,11 +74,13 @@ class TensorboardSink:
         self.writer.close()
 
 
-def configured_sinks(logging, run_dir: Path, config: dict) -> list:
-    """The optional sinks the `logging` config section turns on (rank 0 builds them)."""
+def configured_sinks(logging, run_dir: Path, config: dict, start_step: int = 0) -> list:
+    """The optional sinks the `logging` config section turns on (rank 0 builds them);
+    `start_step` > 0 when the run resumes from a checkpoint of that step."""
     sinks: list = []
-    if logging.wandb != "off":
-        sinks.append(WandbSink(run_dir, logging.wandb_project, Path(run_dir).name, config, logging.wandb))
+    if logging.wandb != "disabled":
+        sinks.append(WandbSink(run_dir, logging.wandb_project, Path(run_dir).name, config, logging.wandb,
+                               resumed=start_step > 0))
     if logging.tensorboard:
-        sinks.append(TensorboardSink(Path(run_dir) / "tensorboard"))
+        sinks.append(TensorboardSink(Path(run_dir) / "tensorboard", purge_step=start_step + 1 if start_step else None))
     return sinks

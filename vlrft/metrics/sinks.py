@@ -26,8 +26,8 @@ class ConsoleSink:
 
     KEYS = {"rollout/reward_mean": "reward", "train/kl": "kl", "rollout/response_length": "len"}
 
-    def __init__(self, total_steps: int):
-        self.bar = tqdm(total=total_steps, desc="vlrft", unit="step", dynamic_ncols=True)
+    def __init__(self, total_steps: int, start_step: int = 0):
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="vlrft", unit="step", dynamic_ncols=True)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if "eval/accuracy" in metrics:

@@ -57,8 +57,11 @@ def policy_forward(
     entropy = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, entropy_sel)  # [B, L-1]
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
-        # backward reaches every parameter on every rank, as the sharded backends expect.
-        logp = logp + 0.0 * inner.lm_head(hidden[:, :1]).float().sum()
+        # backward reaches every parameter on every rank, as the sharded backends expect. It
+        # goes through the same chunked (checkpointed) LM-head call as one scored token: ZeRO-3
+        # gathers parameters per module call, so every rank must make the same calls.
+        zero, _ = chunked_token_stats(hidden[0, :1], targets[0, :1], inner.lm_head, temperature, chunk_tokens)
+        logp = logp + 0.0 * zero.sum()
     return ForwardOut(logp=_shift(logp), entropy=_shift(entropy), aux_loss=aux)
 
 

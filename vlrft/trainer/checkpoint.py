@@ -16,6 +16,8 @@ temporaries are never picked up and are deleted by the next save.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import shutil
@@ -73,30 +75,81 @@ def publish(temporary: Path, keep_last: int) -> Path:
     """Rename a fully written temporary into place, then drop all but the newest `keep_last`
     checkpoints (rank 0, after every rank finished writing)."""
     final = temporary.with_name(temporary.name[len(TEMPORARY_PREFIX) :])
-    if final.exists():  # a re-run of the same step after a resume: replace it
-        shutil.rmtree(final)
-    temporary.rename(final)
+    if final.exists():  # the same step saved again: move the old one aside, never lose both
+        aside = temporary.with_name(f"{TEMPORARY_PREFIX}old-{final.name}")
+        final.rename(aside)
+        temporary.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        temporary.rename(final)
     for old in complete_checkpoints(final.parent.parent)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def discard_after(run_dir: Path, step: int) -> None:
+    """Forget what a run did after `step` (rank 0, when resuming from `step`): later checkpoints
+    and saved trajectories of the abandoned continuation, and its metric lines, so the resumed
+    run's history is one history and rotation never keeps a stale future over fresh work."""
+    for later in complete_checkpoints(run_dir):
+        if int(STEP_DIR.match(later.name)[1]) > step:
+            shutil.rmtree(later, ignore_errors=True)
+    trajectories = Path(run_dir) / "trajectories"
+    for saved in trajectories.glob("step_*.rank*.jsonl") if trajectories.is_dir() else []:
+        if int(saved.name[len("step_") :].split(".")[0]) > step:
+            saved.unlink()
+    truncate_metrics_after(Path(run_dir) / "metrics.jsonl", step)
+
+
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def truncate_metrics_after(path: Path, step: int) -> None:
-    """Drop metric lines logged after `step`: a killed run may have logged steps it never
-    checkpointed, and the resumed run logs them again."""
+    """Drop metric lines logged after `step` (a killed run may have logged steps it never
+    checkpointed; the resumed run logs them again) and a line the kill cut short. Rewritten
+    through a temporary file and a rename, so the log is never half-written."""
     if not path.is_file():
         return
-    import json
 
-    kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(kept))
+    def keep(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False
+
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
+    temporary.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if keep(line)))
+    os.replace(temporary, path)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(torch.load(Path(path) / "trainer.pt", weights_only=False)["step"])
+
+
+# Keys whose value is baked into a checkpoint's state: resuming with another value would
+# silently drop or misuse that state.
+STATE_SHAPING_KEYS = ("model.path", "train.seed", "train.ema_beta", "algo.kl.coef", "algo.kl.ref_ema_eta",
+                      "critic.enabled", "critic.value_norm", "rollout.rollout_prompts", "train.zero_stage")
+
+
+def changed_state_keys(saved: dict, current: dict) -> list[str]:
+    """The STATE_SHAPING_KEYS whose values differ between two `to_dict` configs."""
+
+    def value(cfg: dict, key: str):
+        for part in key.split("."):
+            cfg = cfg[part]
+        return cfg
+
+    return [key for key in STATE_SHAPING_KEYS if value(saved, key) != value(current, key)]

@@ -32,14 +32,16 @@ from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
 from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
 from vlrft.trainer.checkpoint import (
+    changed_state_keys,
+    checkpoint_step,
     clear_temporaries,
+    discard_after,
     publish,
     resume_path,
     rng_state,
     set_rng_state,
     step_dir_name,
     temporary_dir,
-    truncate_metrics_after,
 )
 from vlrft.trainer.critic_update import critic_update
 from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
@@ -74,6 +76,8 @@ class SPMDTrainer:
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
         self.step = 0
+        resume_from = resume_path(cfg.checkpoint.resume, self.out_dir)
+        start_step = checkpoint_step(resume_from) if resume_from is not None else 0
 
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
@@ -152,8 +156,10 @@ class SPMDTrainer:
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            sinks = [ConsoleSink(cfg.train.total_steps), JsonlSink(self.out_dir / "metrics.jsonl")]
-            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg))
+            if resume_from is not None:  # before the sinks open their files
+                discard_after(self.out_dir, start_step)
+            sinks = [ConsoleSink(cfg.train.total_steps, start_step), JsonlSink(self.out_dir / "metrics.jsonl")]
+            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg), start_step)
         self.logger = MetricsLogger(sinks)
         self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
         self.eval_history: list[tuple[int, float]] = []
@@ -162,7 +168,6 @@ class SPMDTrainer:
         self.stop_signal: int | None = None
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
-        resume_from = resume_path(cfg.checkpoint.resume, self.out_dir)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
 
@@ -298,6 +303,9 @@ class SPMDTrainer:
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_signal = signum
+        # A second signal must still be able to end a rank that is stuck.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def save_checkpoint(self) -> Path:
         """Write this step's checkpoint (collective; layout and atomicity: trainer/checkpoint.py)."""
@@ -324,6 +332,7 @@ class SPMDTrainer:
                 {
                     "step": self.step,
                     "world_size": self.world_size,
+                    "config": to_dict(self.cfg),
                     "kl_controller": self.kl_controller.state_dict(),
                     "return_stats": self.return_stats.state_dict() if self.return_stats is not None else None,
                     "policy_ema": self.policy_ema,
@@ -343,6 +352,12 @@ class SPMDTrainer:
     def load_checkpoint(self, path: Path) -> None:
         """Continue exactly where the checkpoint left off (every rank)."""
         state = torch.load(path / "trainer.pt", weights_only=False)
+        changed = changed_state_keys(state["config"], to_dict(self.cfg))
+        if changed:
+            raise ConfigError(
+                f"cannot resume from {path}: config keys {', '.join(changed)} differ from the checkpoint's; "
+                "keep them, or start over with checkpoint.resume=never"
+            )
         if state["world_size"] != self.world_size:
             raise ConfigError(
                 f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
@@ -368,7 +383,6 @@ class SPMDTrainer:
         self.buffer.generator.set_state(mine["buffer_generator"])
         self.engine.update_weights(self.backend.named_full_parameters())  # serve the restored policy
         if self.rank == 0:
-            truncate_metrics_after(self.out_dir / "metrics.jsonl", self.step)
             print(f"vlrft: resumed from {path} at step {self.step}", flush=True)
         set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
 

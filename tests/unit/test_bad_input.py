@@ -145,9 +145,10 @@ def test_bad_prompt_stops_the_step_with_its_message(files, tiny_vl, world_of_one
 
 def test_bad_eval_prompt_stops_the_run_at_start(files, tiny_vl, world_of_one, tmp_path):
     root, good, cases = files
+    write_jsonl(tmp_path / "train.jsonl", [vl_row("good", good)])
     write_jsonl(tmp_path / "eval.jsonl", [vl_row("good", good), cases["not_image"][0]])
     with pytest.raises(DataError, match=f"^{cases['not_image'][1]}$"):
-        build(overrides(tiny_vl, tmp_path / "eval.jsonl", tmp_path / "run", f"data.eval_path={tmp_path / 'eval.jsonl'}"))
+        build(overrides(tiny_vl, tmp_path / "train.jsonl", tmp_path / "run", f"data.eval_path={tmp_path / 'eval.jsonl'}"))
 
 
 def test_skip_counts_bad_rows_and_prompts_and_trains_on(files, tiny_vl, world_of_one, bomb_limit, tmp_path, capsys):
@@ -387,3 +388,17 @@ def test_empty_completions_go_through_rewards_experience_pass_and_update(files, 
             assert metrics["train/skipped_nonfinite_steps"] == 0, (mode, loss)
             assert all(np.isfinite(v) for v in metrics.values()), (mode, loss, metrics)
     assert torch.isfinite(flat(trainer.backend.module)).all()
+
+
+def test_bad_ptx_rows_are_skipped_and_counted(files, tiny_vl, world_of_one):
+    from vlrft.data.ptx import PtxStream
+    from vlrft.trainer.bad_input import BadInput
+
+    root, good, cases = files
+    write_jsonl(root / "ptx.jsonl", [vl_row("ptx-good", good), cases["not_image"][0], b"[]"])
+    encoder = PromptEncoder(tiny_vl, 3136, 12544, MAX_PROMPT_TOKENS)
+    with pytest.raises(DataError, match=f"^{re.escape(str(root / 'ptx.jsonl'))}:3: a row must be a JSON object$"):
+        PtxStream(str(root / "ptx.jsonl"), encoder, 2, 0, 1, 0, BadInput("error", 0, 1))
+    bad_input = BadInput("skip", 0, 1)
+    stream = PtxStream(str(root / "ptx.jsonl"), encoder, 2, 0, 1, 0, bad_input)
+    assert [e.prompt.id for e in stream.examples] == ["ptx-good"] and bad_input.skipped_rows == 2

@@ -38,7 +38,6 @@ class BadInput:
         self.rank = rank
         self.world_size = world_size
         self.skipped_rows = 0  # rows left out before training (summed over ranks where rank-local)
-        self._start_reported = False
         self._placeholder: Experience | None = None
 
     def _say(self, message: str) -> None:
@@ -82,14 +81,6 @@ class BadInput:
         prompts, skipped = self.encode(encoder, items)
         self.skipped_rows += skipped
         return prompts
-
-    def start_metrics(self) -> dict[str, float]:
-        """{"data/skipped_rows": rows left out before training} once (the first step this
-        process runs, so a resumed run reports it too), then {}."""
-        if self._start_reported:
-            return {}
-        self._start_reported = True
-        return {"data/skipped_rows": float(self.skipped_rows)}
 
     def placeholder(self, encoder: PromptEncoder, rows: list[dict]) -> Experience:
         """This rank's placeholder experience (see `placeholder`), on the first row that encodes,

@@ -209,7 +209,8 @@ class SPMDTrainer:
         self.step += 1
         start = time.perf_counter()
         kept, generated, metrics = self._collect_experiences()
-        metrics |= self.bad_input.start_metrics()  # data/skipped_rows, in this process's first step
+        if self.step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
+            metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
         # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
         experiences, kl_metrics = self.maker.finish(kept, placeholder)

@@ -12,5 +12,7 @@ model=artifacts/tiny-$kind data=artifacts/$task
 [ -f "$data/train.jsonl" ] || python -m data_tools.synth_shapes --task "$task" --out "$data"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
-torchrun --nproc_per_node "${NPROC:-2}" -m vlrft.cli train "$config" "$@"
+# On SIGTERM torchrun forwards the signal, then SIGKILLs after --shutdown-timeout (default 30 s):
+# give the ranks time to finish the step and write their checkpoint.
+torchrun --nproc_per_node "${NPROC:-2}" --shutdown-timeout 600 -m vlrft.cli train "$config" "$@"
 echo "training wall time: $(( $(date +%s) - start )) s"

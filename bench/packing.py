@@ -1,9 +1,11 @@
 """Padded vs packed micro-batches for one policy update on a length-skewed batch.
 
     python bench/packing.py [--samples 32] [--budget 2048]
+    python bench/packing.py --device cuda --compute-dtype bfloat16 --attention flash_attention_2
 
 Model: a randomly initialised ~50M-parameter Qwen2-shaped causal LM (hidden 512, 11 layers,
-32k vocabulary), fp32 on CPU. Batch: 32 sequences with a 64-token prompt and skewed response
+32k vocabulary), fp32 weights on CPU by default. On a GPU the packed run can use the varlen
+flash-attention kernel (the padded baseline then runs flash-attention on its padding mask). Batch: 32 sequences with a 64-token prompt and skewed response
 lengths (most 8-40 tokens, a few 400-480: the shape of RL rollouts where some responses run
 long). Padded baseline: 8 sequences per micro-batch, right-padded to the longest (the usual
 fixed-size micro-batch); packed: vlrft's ReplayBuffer packing, `micro_batch_tokens` tokens
@@ -19,8 +21,9 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from vlrft.experience.collate import collate, response_rows
+from vlrft.experience.collate import collate
 from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.models.attention import COMPUTE_DTYPES
 from vlrft.models.forward import policy_forward
 from vlrft.types import Prompt, Rollout
 
@@ -39,10 +42,13 @@ def skewed_rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
 
 def update_seconds(model, batches, total_tokens: float) -> float:
     model.zero_grad(set_to_none=True)
+    synchronize = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     for batch in batches:
-        logp = response_rows(batch, policy_forward(model, batch, 1.0).logp)  # [S, R]
+        logp = policy_forward(model, batch, 1.0).logp  # [B, L], 0 off the response tokens
         (-logp.sum() / total_tokens).backward()  # token-mean policy gradient with A = 1
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -51,12 +57,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--per-micro-batch", type=int, default=8, help="padded baseline: sequences per micro-batch")
     parser.add_argument("--budget", type=int, default=2048, help="packed: micro_batch_tokens")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flash_attention_2"])
+    parser.add_argument("--compute-dtype", default="float32", choices=list(COMPUTE_DTYPES))
     args = parser.parse_args()
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=11,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True, attn_implementation="sdpa")
-    model = Qwen2ForCausalLM(config)
+                         tie_word_embeddings=True, attn_implementation=args.attention)
+    model = Qwen2ForCausalLM(config).to(args.device)
+    model.compute_dtype = COMPUTE_DTYPES[args.compute_dtype]  # as vlrft's loader sets it
     params = sum(p.numel() for p in model.parameters())
     rollouts = skewed_rollouts(args.samples, config.vocab_size)
     real = sum(len(r.prompt.prompt_ids) + len(r.response_ids) for r in rollouts)
@@ -66,7 +76,9 @@ def main() -> None:
     padded_tokens = sum(b.input_ids.numel() for b in padded)
     packed_tokens = sum(b.input_ids.numel() for b in packed)
     lengths = sorted(len(r.response_ids) for r in rollouts)
-    print(f"model: Qwen2-shaped, {params / 1e6:.1f}M parameters, fp32, CPU, {torch.get_num_threads()} threads")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    print(f"model: Qwen2-shaped, {params / 1e6:.1f}M parameters, fp32 weights, {args.compute_dtype} compute, "
+          f"{args.attention} attention, {where}")
     print(f"batch: {len(rollouts)} sequences, prompt 64 tokens, response tokens min/median/max "
           f"{lengths[0]}/{lengths[len(lengths) // 2]}/{lengths[-1]}; {real} real tokens")
     times = {}

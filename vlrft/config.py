@@ -30,6 +30,12 @@ class ModelConfig:
     path: str = ""  # HF checkpoint directory of the policy (loaded with from_pretrained)
     ref_path: str = ""  # reference model checkpoint; empty = same as `path`
     freeze_vision: bool = False  # train without updating the vision tower (policy and critic)
+    # How packed samples are kept apart in attention: auto | sdpa (block-diagonal mask) |
+    # flash_attention_2 (varlen kernel; CUDA + flash-attn + bfloat16). See models/attention.py.
+    attention: str = "auto"
+    # Decoder compute precision for policy, reference and critic forwards: float32 | bfloat16
+    # (autocast over fp32 master weights; LM head, logprobs and value head stay fp32).
+    compute_dtype: str = "float32"
 
 
 @dataclass
@@ -306,6 +312,21 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         cfg.checkpoint.resume = resolve(cfg.checkpoint.resume)
 
 
+def _validate_model(model: ModelConfig) -> None:
+    from vlrft.models.attention import ATTENTION_CHOICES, COMPUTE_DTYPES, flash_attention_missing
+
+    if model.attention not in ATTENTION_CHOICES:
+        raise ConfigError(f"config key 'model.attention' is '{model.attention}'; valid: {', '.join(ATTENTION_CHOICES)}")
+    if model.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"config key 'model.compute_dtype' is '{model.compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
+    if model.attention == "flash_attention_2":
+        if model.compute_dtype != "bfloat16":
+            raise ConfigError("config key 'model.attention' flash_attention_2 needs model.compute_dtype: bfloat16 (flash-attention has no fp32 kernel)")
+        missing = flash_attention_missing()
+        if missing:
+            raise ConfigError(f"config key 'model.attention' flash_attention_2 cannot run here: {missing}")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
     from vlrft.algo import ADVANTAGES, POLICY_LOSSES
@@ -318,6 +339,7 @@ def validate(cfg: Config) -> None:
     ADVANTAGES.check(cfg.algo.advantage, "algo.advantage")
     POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
     _validate_algo(cfg)
+    _validate_model(cfg.model)
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
     if cfg.rollout.engine_tp_size < 1:
         raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")

@@ -70,10 +70,11 @@ class Experience:
 @dataclass
 class MicroBatch:
     """Sequences for one forward pass: right-padded rows ([B, L]) or packed into one row
-    ([1, T], `seq_lengths` set, a block-diagonal causal attention mask [1, 1, T, T])."""
+    ([1, T], `seq_lengths` set; how samples are kept apart is up to the attention kernel, see
+    experience/packing.forward_inputs)."""
 
     input_ids: torch.Tensor  # [B, L] or [1, T]
-    attention_mask: torch.Tensor  # [B, L] padding mask, or [1, 1, T, T] bool block-diagonal causal
+    attention_mask: torch.Tensor | None  # [B, L] padding mask; None when packed
     response_mask: torch.Tensor  # [B, L] 1 on response tokens (scored positions)
     mm_inputs: dict[str, torch.Tensor]  # pixel inputs concatenated in sample order; mm_token_type_ids [B, L]
     samples: list[Any]  # the Experience (or Rollout) objects, in order

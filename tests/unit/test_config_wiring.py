@@ -82,6 +82,7 @@ CHANGES = {
     "algo.high_entropy_token_ratio": "algo.high_entropy_token_ratio=0.2",
     "algo.kl.coef": "algo.kl.coef=0",
     "algo.kl.estimator": "algo.kl.estimator=k2",
+    "model.compute_dtype": "model.compute_dtype=bfloat16",
     "train.lr": "train.lr=0.01",
     "train.lr_schedule": "train.lr_schedule=cosine",
     "train.weight_decay": "train.weight_decay=0.5",

@@ -1,16 +1,14 @@
 """Packed micro-batches: exact against per-sample forwards for text, single- and multi-image
 samples of very different lengths in one micro-batch (fp32, max abs diff <= 1e-5)."""
 
-import json
-
 import pytest
 import torch
-from PIL import Image
 
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import block_causal_mask, pack, position_ids, split_by_token_budget
+from vlrft.experience.packing import pack, position_ids, split_by_token_budget
+from vlrft.models.attention import block_causal_mask
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model
 from vlrft.models.value_model import load_value_model, token_values
@@ -37,33 +35,6 @@ def test_split_by_token_budget_sums_lengths():
 
     groups = split_by_token_budget([S(4), S(5), S(2), S(12), S(1)], 10)
     assert [[len(s.rollout.prompt.prompt_ids) for s in g] for g in groups] == [[4, 5], [2], [12], [1]]
-
-
-@pytest.fixture(scope="module")
-def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
-    """A text-only, a single-image and a two-image prompt (one image 4x larger), with
-    responses of 1, 12 and 25 tokens."""
-    root = tmp_path_factory.mktemp("multi")
-    Image.new("RGB", (112, 112), (200, 30, 30)).save(root / "big.png")
-    first = load_rows(colour_data / "train.jsonl")[0]
-    small = first["messages"][0]["content"][0]["image"]
-    rows = [
-        {"id": "text", "data_source": "t", "answer": "4", "messages": [{"role": "user", "content": "What is 2 + 2?"}]},
-        first,
-        {"id": "two", "data_source": "t", "answer": "red", "messages": [{"role": "user", "content": [
-            {"type": "image", "image": small}, {"type": "image", "image": str(root / "big.png")},
-            {"type": "text", "text": "Which colours?"}]}]},
-    ]
-    rows[2]["messages"][0]["content"][0]["image"] = str(colour_data / small)
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    encoder = PromptEncoder(tiny_vl, 56 * 56, 112 * 112, 512)
-    prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(root / "rows.jsonl"))]
-    assert [p.mm_inputs.get("image_grid_thw", torch.zeros(0, 3)).shape[0] for p in prompts] == [0, 1, 2]
-    g = torch.Generator().manual_seed(0)
-    return [
-        Rollout(p, i, torch.randint(10, 600, (n,), generator=g).tolist(), "", False)
-        for i, (p, n) in enumerate(zip(prompts, [1, 12, 25]))
-    ]
 
 
 def test_packed_pixel_inputs_follow_sample_order(mixed_rollouts):

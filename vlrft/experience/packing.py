@@ -1,5 +1,6 @@
 """Packing: a micro-batch's sequences concatenated into one row, isolated from each other by a
-block-diagonal causal attention mask, with per-sample position ids (3-D M-RoPE for Qwen-VL).
+block-diagonal causal attention mask (sdpa) or by the varlen kernel's sample starts (flash-
+attention), with per-sample position ids (3-D M-RoPE for Qwen-VL).
 
 No padding is processed; a sample's pixel inputs travel with it in sample order.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.experience.collate import concat_mm_inputs, rollout_of, sequence_length
+from vlrft.models.attention import block_causal_mask, uses_varlen, varlen_kwargs
 from vlrft.types import MicroBatch
 
 
@@ -28,17 +30,6 @@ def split_by_token_budget(samples: list, micro_batch_tokens: int) -> list[list]:
     return groups
 
 
-def block_causal_mask(lengths: list[int]) -> torch.Tensor:
-    """True where a token may attend: earlier-or-same tokens of its own sequence. [1, 1, T, T]."""
-    total = sum(lengths)
-    mask = torch.zeros((total, total), dtype=torch.bool)
-    start = 0
-    for length in lengths:
-        mask[start : start + length, start : start + length] = torch.ones((length, length), dtype=torch.bool).tril()
-        start += length
-    return mask[None, None]
-
-
 def pack(samples: list, dummy: bool = False) -> MicroBatch:
     rollouts = [rollout_of(s) for s in samples]
     lengths = [len(r.prompt.prompt_ids) + len(r.response_ids) for r in rollouts]
@@ -54,7 +45,7 @@ def pack(samples: list, dummy: bool = False) -> MicroBatch:
         mm_inputs["mm_token_type_ids"] = torch.tensor(types)[None]  # [1, T]
     return MicroBatch(
         input_ids=input_ids,
-        attention_mask=block_causal_mask(lengths),
+        attention_mask=None,  # built per attention implementation by forward_inputs
         response_mask=response_mask,
         mm_inputs=mm_inputs,
         samples=list(samples),
@@ -86,9 +77,17 @@ def position_ids(backbone: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     return torch.cat(parts, dim=-1)  # [3, 1, T]
 
 
-def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs; packed batches add their per-sample position ids."""
+def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict:
+    """The model's keyword inputs, on the model's device. Packed batches add their per-sample
+    position ids and what keeps samples apart: a block-diagonal mask (sdpa) or the sample
+    starts (flash varlen)."""
     inputs = batch.model_inputs()
     if batch.seq_lengths is not None:
         inputs["position_ids"] = position_ids(backbone, batch)
-    return inputs
+        if uses_varlen(backbone):
+            del inputs["attention_mask"]
+            inputs |= varlen_kwargs(batch.seq_lengths)
+        else:
+            inputs["attention_mask"] = block_causal_mask(batch.seq_lengths)
+    device = next(backbone.parameters()).device
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}  # lengths stay ints

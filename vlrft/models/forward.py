@@ -14,6 +14,7 @@ import torch
 
 from vlrft.algo.entropy import token_entropy
 from vlrft.experience.packing import forward_inputs
+from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
 from vlrft.types import MicroBatch
 
@@ -42,19 +43,20 @@ def policy_forward(
     """
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
     extra = {"output_router_logits": True} if moe_aux else {}
-    base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
-    hidden = base.last_hidden_state  # [B, L, H]
+    with decoder_autocast(inner):
+        base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
+    hidden = base.last_hidden_state.float()  # [B, L, H]; the LM head and logprobs run in fp32
     aux = router_aux_loss(inner, base.router_logits) if moe_aux else None
-    scored = batch.response_mask[:, 1:].bool()  # [B, L-1] position p predicts response token p+1
-    targets = batch.input_ids[:, 1:]  # [B, L-1]
+    scored = batch.response_mask[:, 1:].bool().to(hidden.device)  # [B, L-1] position p predicts token p+1
+    targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
     if keep_logits:
         logits = inner.lm_head(hidden[:, :-1]).float() / temperature  # [B, L-1, V]
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
         keep = scored.float()
         return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
     logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature, chunk_tokens)
-    logp = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, logp_sel)  # [B, L-1]
-    entropy = torch.zeros(scored.shape, dtype=torch.float32).masked_scatter(scored, entropy_sel)  # [B, L-1]
+    logp = hidden.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L-1]
+    entropy = hidden.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L-1]
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect. It

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+from vlrft.models.attention import COMPUTE_DTYPES
+
 # Tokens that only the prompt encoder may place: a generated one would break the next forward
 # ("image features and image tokens do not match"), so engines can never sample them.
 VISION_SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -22,10 +24,13 @@ def _model_class(model_path: str):
     return AutoModelForImageTextToText if is_vision_language(model_path) else AutoModelForCausalLM
 
 
-def load_model(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config."""
-    model = _model_class(model_path).from_pretrained(model_path, dtype=dtype)
+def load_model(model_path: str, attention: str = "sdpa", compute_dtype: str = "float32") -> torch.nn.Module:
+    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config, with fp32
+    weights (the optimizer's master copy). `attention` is a transformers attn_implementation
+    (models/attention.py); `compute_dtype` is what `decoder_autocast` runs the decoder in."""
+    model = _model_class(model_path).from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False  # training forwards never want a KV cache
+    model.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     return model
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.experience.packing import forward_inputs
+from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import MicroBatch
 
@@ -18,6 +19,7 @@ class ValueModel(torch.nn.Module):
         # `.model` of an HF causal / image-text-to-text LM is the decoder with its vision
         # tower; the LM head is dropped.
         self.backbone = causal_lm.model
+        self.compute_dtype = causal_lm.compute_dtype  # the decoder's autocast dtype (loader)
         hidden = causal_lm.config.get_text_config().hidden_size
         self.value_head = torch.nn.Linear(hidden, 1)
         # Zero init: the first values are 0, so the first GAE advantages are the returns.
@@ -25,13 +27,14 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, **inputs) -> torch.Tensor:
-        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
+        with decoder_autocast(self):
+            hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
         return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
 
 
-def load_value_model(path: str) -> ValueModel:
+def load_value_model(path: str, attention: str = "sdpa", compute_dtype: str = "float32") -> ValueModel:
     """A critic initialised from an HF checkpoint (usually the policy's) with a fresh head."""
-    return ValueModel(load_model(path))
+    return ValueModel(load_model(path, attention, compute_dtype))
 
 
 def token_values(critic: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:

@@ -26,6 +26,7 @@ from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.metrics.external_sinks import configured_sinks
+from vlrft.models.attention import resolve_attention
 from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
@@ -106,12 +107,16 @@ class SPMDTrainer:
                 total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
             )
 
-        policy = load_model(cfg.model.path)
+        attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
+        precision = (attention, cfg.model.compute_dtype)
+        if self.rank == 0:
+            print(f"vlrft: attention {attention}, decoder compute {cfg.model.compute_dtype} (model.attention, model.compute_dtype)")
+        policy = load_model(cfg.model.path, *precision)
         if cfg.algo.moe_aux_coef > 0 and not hasattr(policy.config.get_text_config(), "output_router_logits"):
             raise ConfigError(
                 f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
             )
-        critic = load_value_model(cfg.critic.path or cfg.model.path) if cfg.critic.enabled else None
+        critic = load_value_model(cfg.critic.path or cfg.model.path, *precision) if cfg.critic.enabled else None
         self.frozen_vision_parameters = 0
         if cfg.model.freeze_vision:
             if vision_tower(policy) is None:
@@ -127,7 +132,7 @@ class SPMDTrainer:
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
         self.reference = None
         if cfg.algo.kl.coef > 0:
-            self.reference = load_model(cfg.model.ref_path or cfg.model.path).eval().requires_grad_(False)
+            self.reference = load_model(cfg.model.ref_path or cfg.model.path, *precision).eval().requires_grad_(False)
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None
         if cfg.critic.value_norm != "none":

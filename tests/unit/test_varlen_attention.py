@@ -1,0 +1,196 @@
+"""Varlen (flash-attention) packing and bf16 compute, on a CPU.
+
+transformers' real flash-attention integration runs here with a plain-torch stand-in for the
+flash-attn kernels (tests/reference_flash.py): what is checked is everything around the kernel,
+i.e. that vlrft's packed inputs (sample starts, no mask, M-RoPE ids, images encoded apart) make
+the varlen path give each packed sample exactly its per-sample result. The real kernel on a GPU
+is tests/gpu/test_flash_packing.py.
+"""
+
+import pytest
+import torch
+
+from tests.reference_flash import reference_flash  # noqa: F401 (fixture)
+from vlrft.config import ConfigError, load_config
+from vlrft.data.dataset import load_rows
+from vlrft.data.encoding import PromptEncoder
+from vlrft.experience.collate import collate, gather_responses
+from vlrft.experience.packing import forward_inputs, pack
+from vlrft.models.attention import resolve_attention, varlen_kwargs
+from vlrft.models.forward import policy_forward
+from vlrft.models.loader import load_model
+from vlrft.models.value_model import load_value_model, token_values
+from vlrft.types import Rollout
+
+
+def test_varlen_kwargs_are_cumulative_sample_starts():
+    kwargs = varlen_kwargs([3, 1, 5])
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 4, 9] and kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 5
+
+
+def per_sample(model, rollouts, temperature=1.0):
+    """Each rollout alone, padded collate, sdpa: the reference every packed result must match."""
+    out = []
+    for rollout in rollouts:
+        alone = collate([rollout], pad_id=0)
+        single = policy_forward(model, alone, temperature)
+        out.append((gather_responses(alone, single.logp)[0], gather_responses(alone, single.entropy)[0]))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_varlen_packed_vision_language_forward_equals_per_sample(reference_flash, mixed_rollouts, tiny_vl, temperature):
+    """Text, one-image and two-image samples of 1, 12 and 25 response tokens in one micro-batch."""
+    sdpa = load_model(tiny_vl).eval()
+    flash = load_model(tiny_vl, attention="flash_attention_2").eval()
+    batch = pack(mixed_rollouts)
+    inputs = forward_inputs(flash.model, batch)
+    assert "attention_mask" not in inputs  # no [T, T] mask built
+    with torch.no_grad():
+        packed = policy_forward(flash, batch, temperature)
+        expected = per_sample(sdpa, mixed_rollouts, temperature)
+    starts = [0]
+    for length in batch.seq_lengths:
+        starts.append(starts[-1] + length)
+    text_layers = flash.config.text_config.num_hidden_layers
+    assert reference_flash.kernels_seen("varlen").count(starts) == text_layers  # every decoder layer, varlen
+    assert len(reference_flash.kernels_seen("varlen")) > text_layers  # and the vision tower's own windows
+    assert reference_flash.kernels_seen("dense") == []
+    logp, entropy = gather_responses(batch, packed.logp), gather_responses(batch, packed.entropy)
+    for i, (ref_logp, ref_entropy) in enumerate(expected):
+        assert (logp[i] - ref_logp).abs().max() <= 1e-5
+        assert (entropy[i] - ref_entropy).abs().max() <= 1e-5
+
+
+def test_varlen_packed_critic_values_equal_per_sample(reference_flash, mixed_rollouts, tiny_vl):
+    torch.manual_seed(0)
+    sdpa = load_value_model(tiny_vl).eval()
+    flash = load_value_model(tiny_vl, attention="flash_attention_2").eval()
+    head = torch.randn_like(sdpa.value_head.weight) * 0.1
+    sdpa.value_head.weight.data.copy_(head)
+    flash.value_head.weight.data.copy_(head)
+    with torch.no_grad():
+        batch = pack(mixed_rollouts)
+        packed = gather_responses(batch, token_values(flash, batch))
+        for i, rollout in enumerate(mixed_rollouts):
+            alone = collate([rollout], pad_id=0)
+            assert (packed[i] - gather_responses(alone, token_values(sdpa, alone))[0]).abs().max() <= 1e-5
+    assert reference_flash.kernels_seen("varlen")
+
+
+def test_varlen_packed_text_gradients_equal_masked_packing(reference_flash, tiny_text, addition_data):
+    """The update's backward through the varlen path equals the block-diagonal-mask path."""
+    encoder = PromptEncoder(tiny_text, 3136, 12544, 512)
+    rows = load_rows(addition_data / "train.jsonl")[:3]
+    rollouts = [Rollout(encoder.encode(r, i), i, [7 + i] * n, "", False) for i, (r, n) in enumerate(zip(rows, [1, 30, 9]))]
+    grads = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        model = load_model(tiny_text, attention=attention)
+        batch = pack(rollouts)
+        out = policy_forward(model, batch, 1.0)
+        (out.logp.sum() + 0.1 * out.entropy.sum()).backward()
+        grads[attention] = {name: p.grad for name, p in model.named_parameters()}
+        if attention == "sdpa":
+            reference = per_sample(model, rollouts)
+            for i, (ref_logp, _) in enumerate(reference):
+                assert (gather_responses(batch, out.logp)[i] - ref_logp).abs().max() <= 1e-5
+    for name, grad in grads["sdpa"].items():
+        other = grads["flash_attention_2"][name]
+        assert (grad - other).abs().max() <= 1e-5 * max(1.0, grad.abs().max().item()), name
+    assert len(reference_flash.kernels_seen("varlen")) == load_model(tiny_text).config.num_hidden_layers
+
+
+def test_bf16_compute_runs_the_decoder_in_bf16_and_the_head_in_fp32(reference_flash, mixed_rollouts, tiny_vl):
+    fp32 = load_model(tiny_vl).eval()
+    bf16 = load_model(tiny_vl, attention="flash_attention_2", compute_dtype="bfloat16").eval()
+    head_inputs = []
+    bf16.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append((args[0].dtype, out.dtype)))
+    batch = pack(mixed_rollouts)
+    with torch.no_grad():
+        low = policy_forward(bf16, batch, 1.0)
+        full = policy_forward(fp32, batch, 1.0)
+    assert {dtype for _, _, dtype in reference_flash.calls} == {torch.bfloat16}  # kernels saw bf16
+    assert head_inputs and set(head_inputs) == {(torch.float32, torch.float32)}
+    assert low.logp.dtype == low.entropy.dtype == torch.float32
+    mask = batch.response_mask.bool()
+    gap = (low.logp - full.logp)[mask].abs().max().item()
+    assert 0 < gap < 0.1  # bf16 rounding, not a different computation
+
+
+def test_bf16_sdpa_critic_keeps_fp32_values(mixed_rollouts, tiny_vl):
+    critic = load_value_model(tiny_vl, compute_dtype="bfloat16")
+    values = token_values(critic, pack(mixed_rollouts))
+    values.sum().backward()
+    assert values.dtype == torch.float32
+    assert critic.value_head.weight.grad is not None and critic.value_head.weight.grad.dtype == torch.float32
+
+
+BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.attention=flash"], "config key 'model.attention' is 'flash'; valid: auto, sdpa, flash_attention_2"),
+    (["model.compute_dtype=float16"], "config key 'model.compute_dtype' is 'float16'; valid: float32, bfloat16"),
+    (["model.attention=flash_attention_2"], "flash_attention_2 needs model.compute_dtype: bfloat16"),
+    (["model.attention=flash_attention_2", "model.compute_dtype=bfloat16"],
+     "flash_attention_2 cannot run here: no CUDA GPU is visible"),
+])
+def test_attention_config_errors_name_the_key(tmp_path, overrides, message):
+    if torch.cuda.is_available():
+        pytest.skip("the last case describes a machine without a GPU")
+    (tmp_path / "cfg.yaml").write_text(BASE)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(tmp_path / "cfg.yaml", overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_auto_attention_falls_back_to_sdpa_without_a_gpu(tmp_path):
+    (tmp_path / "cfg.yaml").write_text(BASE)
+    cfg = load_config(tmp_path / "cfg.yaml", ["model.compute_dtype=bfloat16"])
+    assert cfg.model.attention == "auto"
+    expected = "flash_attention_2" if torch.cuda.is_available() and _has_flash() else "sdpa"
+    assert resolve_attention(cfg.model.attention, cfg.model.compute_dtype) == expected
+    assert resolve_attention("auto", "float32") == "sdpa"  # flash-attention never runs fp32
+
+
+def _has_flash() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def test_training_step_with_varlen_attention_matches_masked_packing(
+    reference_flash, monkeypatch, tiny_vl, colour_data, tmp_path, world_of_one
+):
+    """A whole in-process RL step (rollouts, experience pass with reference, update) with
+    model.attention flash_attention_2 moves the parameters as the sdpa-mask run does."""
+    from vlrft.trainer.spmd_trainer import SPMDTrainer
+
+    monkeypatch.setattr("vlrft.models.attention.flash_attention_missing", lambda: "")
+    (tmp_path / "recipe.py").write_text(
+        "def distinct_chars(completions, samples):\n    return [len(set(c)) / 10 for c in completions]\n"
+    )
+    updates = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        cfg = load_config(None, [
+            f"model.path={tiny_vl}", f"data.train_path={colour_data / 'train.jsonl'}",
+            f"model.attention={attention}", "model.compute_dtype=bfloat16",
+            "rollout.rollout_prompts=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6",
+            "train.micro_batch_tokens=200", "train.lr=0.001", "algo.kl.coef=0.1", f"output.dir={tmp_path / attention}",
+            f"reward.default=[{{recipe: '{tmp_path / 'recipe.py'}:distinct_chars'}}]",
+        ])
+        trainer = SPMDTrainer(cfg)
+        before = torch.cat([p.detach().flatten().clone() for p in trainer.backend.module.parameters()])
+        metrics = trainer.train_step()
+        after = torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()])
+        updates[attention] = (after - before, metrics)
+    assert reference_flash.kernels_seen("varlen")
+    masked, varlen = updates["sdpa"][0], updates["flash_attention_2"][0]
+    assert masked.abs().max() > 0
+    cosine = torch.nn.functional.cosine_similarity(masked, varlen, dim=0).item()
+    assert cosine > 0.99, cosine  # bf16 rounding apart (0.997 measured); unrelated updates give ~0
+    masked_metrics, varlen_metrics = updates["sdpa"][1], updates["flash_attention_2"][1]
+    assert masked_metrics["train/grad_norm"] > 0  # something to learn
+    assert masked_metrics["rollout/reward_mean"] == varlen_metrics["rollout/reward_mean"]  # same rollouts
+    assert varlen_metrics["train/grad_norm"] == pytest.approx(masked_metrics["train/grad_norm"], rel=0.02)

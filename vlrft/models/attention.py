@@ -1,0 +1,72 @@
+"""How a packed micro-batch keeps its samples apart, and the precision the decoder runs in.
+
+Attention (`model.attention`):
+- `sdpa`: a block-diagonal causal mask [1, 1, T, T]. Works everywhere; the mask costs O(T^2)
+  memory and the kernel still visits the masked blocks.
+- `flash_attention_2`: no mask. The varlen flash-attention kernel gets each sample's start
+  (cumulative lengths), so memory is O(T) and nothing across samples is computed. Needs a CUDA
+  GPU, the flash-attn package and bf16 compute (flash-attention has no fp32 kernel).
+- `auto`: flash_attention_2 where it can run, else sdpa.
+
+Compute precision (`model.compute_dtype`): `bfloat16` runs the decoder (vision tower included)
+under torch.autocast over the fp32 master weights that the optimizer updates, as transformers
+recommends for flash-attention; the LM head, logprobs, entropy and the value head stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from itertools import accumulate
+
+import torch
+
+ATTENTION_CHOICES = ("auto", "sdpa", "flash_attention_2")
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def flash_attention_missing() -> str:
+    """Why the flash-attention kernel cannot run here ("" when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install 'vlrft[gpu]')"
+    return ""
+
+
+def resolve_attention(requested: str, compute_dtype: str) -> str:
+    """The transformers attn_implementation for `model.attention` (config-checked already)."""
+    if requested == "auto":
+        return "flash_attention_2" if compute_dtype == "bfloat16" and not flash_attention_missing() else "sdpa"
+    return requested
+
+
+def uses_varlen(backbone: torch.nn.Module) -> bool:
+    """Whether the model's attention takes cumulative sequence lengths instead of a mask."""
+    return "flash" in (backbone.config._attn_implementation or "")
+
+
+def block_causal_mask(lengths: list[int]) -> torch.Tensor:
+    """True where a token may attend: earlier-or-same tokens of its own sequence. [1, 1, T, T]."""
+    total = sum(lengths)
+    mask = torch.zeros((total, total), dtype=torch.bool)
+    start = 0
+    for length in lengths:
+        mask[start : start + length, start : start + length] = torch.ones((length, length), dtype=torch.bool).tril()
+        start += length
+    return mask[None, None]
+
+
+def varlen_kwargs(lengths: list[int]) -> dict:
+    """The kwargs transformers forwards to the varlen kernel: sample starts and the longest."""
+    starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)  # [S + 1]
+    longest = max(lengths)
+    return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest}
+
+
+def decoder_autocast(model: torch.nn.Module):
+    """Autocast to the model's compute dtype (set by the loader), or nothing for fp32."""
+    dtype = getattr(model, "compute_dtype", torch.float32)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)

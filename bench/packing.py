@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flash_attention_2"])
     parser.add_argument("--compute-dtype", default="float32", choices=list(COMPUTE_DTYPES))
     args = parser.parse_args()
+    if args.attention == "flash_attention_2" and args.compute_dtype != "bfloat16":
+        parser.error("--attention flash_attention_2 needs --compute-dtype bfloat16 (flash-attention has no fp32 kernel)")
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=11,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,

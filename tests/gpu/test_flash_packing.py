@@ -17,12 +17,11 @@ from vlrft.models.loader import load_model
 MISSING = flash_attention_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason=f"needs a CUDA GPU with flash-attn: {MISSING}")]
 
-# bf16 keeps 8 bits of mantissa: logprobs of the same tokens computed with other kernel tilings
-# (packed vs alone) differ by a few 1e-3; a mixed-up sample boundary differs by whole nats.
-BF16_TOLERANCE = 0.05
-
 
 def test_flash_varlen_packed_forward_equals_per_sample_on_gpu(mixed_rollouts, tiny_vl):
+    """Packing adds no error of its own: each packed sample is as close to its exact fp32
+    per-sample logprobs as the same sample computed alone in bf16 is (bf16 rounding); a wrong
+    sample boundary or position id would be far outside that."""
     flash = load_model(tiny_vl, attention="flash_attention_2", compute_dtype="bfloat16").cuda()
     fp32 = load_model(tiny_vl).cuda().eval()
     batch = pack(mixed_rollouts)
@@ -31,11 +30,14 @@ def test_flash_varlen_packed_forward_equals_per_sample_on_gpu(mixed_rollouts, ti
     with torch.no_grad():
         for i, rollout in enumerate(mixed_rollouts):
             alone = collate([rollout], pad_id=0)
-            single = policy_forward(flash, alone, 1.0)
-            exact = policy_forward(fp32, alone, 1.0)
-            assert (logp[i] - gather_responses(alone, single.logp.cpu())[0]).abs().max() <= BF16_TOLERANCE
-            assert (entropy[i] - gather_responses(alone, single.entropy.cpu())[0]).abs().max() <= BF16_TOLERANCE
-            assert (logp[i] - gather_responses(alone, exact.logp.cpu())[0]).abs().max() <= BF16_TOLERANCE
+            single, exact = policy_forward(flash, alone, 1.0), policy_forward(fp32, alone, 1.0)
+            single_logp, exact_logp = gather_responses(alone, single.logp.cpu())[0], gather_responses(alone, exact.logp.cpu())[0]
+            exact_entropy = gather_responses(alone, exact.entropy.cpu())[0]
+            rounding = (single_logp - exact_logp).abs().max().item()
+            assert rounding < 0.1
+            assert (logp[i] - exact_logp).abs().max() <= 2 * rounding + 1e-3
+            rounding = (gather_responses(alone, single.entropy.cpu())[0] - exact_entropy).abs().max().item()
+            assert (entropy[i] - exact_entropy).abs().max() <= 2 * rounding + 1e-3
     out.logp.sum().backward()
     grads = [p.grad for p in flash.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

@@ -104,26 +104,38 @@ def test_varlen_packed_text_gradients_equal_masked_packing(reference_flash, tiny
 def test_bf16_compute_runs_the_decoder_in_bf16_and_the_head_in_fp32(reference_flash, mixed_rollouts, tiny_vl):
     fp32 = load_model(tiny_vl).eval()
     bf16 = load_model(tiny_vl, attention="flash_attention_2", compute_dtype="bfloat16").eval()
-    head_inputs = []
-    bf16.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append((args[0].dtype, out.dtype)))
+    bf16_sdpa = load_model(tiny_vl, compute_dtype="bfloat16").eval()
+    head_calls = []
+    bf16.lm_head.register_forward_hook(lambda module, args, out: head_calls.append((args[0].dtype, out.dtype)))
     batch = pack(mixed_rollouts)
     with torch.no_grad():
-        low = policy_forward(bf16, batch, 1.0)
-        full = policy_forward(fp32, batch, 1.0)
+        packed = policy_forward(bf16, batch, 1.0)
+        full_vocabulary = policy_forward(bf16, batch, 1.0, keep_logits=True)  # the exact-KL path
+        exact = per_sample(fp32, mixed_rollouts)
+        alone_bf16 = per_sample(bf16_sdpa, mixed_rollouts)
     assert {dtype for _, _, dtype in reference_flash.calls} == {torch.bfloat16}  # kernels saw bf16
-    assert head_inputs and set(head_inputs) == {(torch.float32, torch.float32)}
-    assert low.logp.dtype == low.entropy.dtype == torch.float32
-    mask = batch.response_mask.bool()
-    gap = (low.logp - full.logp)[mask].abs().max().item()
-    assert 0 < gap < 0.1  # bf16 rounding, not a different computation
+    assert len(head_calls) == 2 and set(head_calls) == {(torch.float32, torch.float32)}
+    assert packed.logp.dtype == packed.entropy.dtype == full_vocabulary.logits.dtype == torch.float32
+    assert (packed.logp - full_vocabulary.logp).abs().max() <= 1e-5
+    # Packing adds no error of its own: packed bf16 is as close to exact fp32 as each sample
+    # computed alone in bf16 is (a wrong boundary or position id is far larger than rounding).
+    logp = gather_responses(batch, packed.logp)
+    for i, ((ref, _), (single, _)) in enumerate(zip(exact, alone_bf16)):
+        rounding = (single - ref).abs().max().item()
+        assert 0 < rounding < 0.1
+        assert (logp[i] - ref).abs().max() <= 2 * rounding + 1e-3
 
 
-def test_bf16_sdpa_critic_keeps_fp32_values(mixed_rollouts, tiny_vl):
+def test_bf16_critic_runs_its_value_head_in_fp32(mixed_rollouts, tiny_vl):
     critic = load_value_model(tiny_vl, compute_dtype="bfloat16")
+    head_calls = []
+    critic.value_head.register_forward_hook(lambda module, args, out: head_calls.append((args[0].dtype, out.dtype)))
+    decoder_layers = []
+    critic.backbone.language_model.layers[0].mlp.register_forward_hook(lambda module, args, out: decoder_layers.append(out.dtype))
     values = token_values(critic, pack(mixed_rollouts))
     values.sum().backward()
-    assert values.dtype == torch.float32
-    assert critic.value_head.weight.grad is not None and critic.value_head.weight.grad.dtype == torch.float32
+    assert decoder_layers == [torch.bfloat16] and head_calls == [(torch.float32, torch.float32)]
+    assert values.dtype == torch.float32 and critic.value_head.weight.grad is not None
 
 
 BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
@@ -133,6 +145,7 @@ BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
     (["model.attention=flash"], "config key 'model.attention' is 'flash'; valid: auto, sdpa, flash_attention_2"),
     (["model.compute_dtype=float16"], "config key 'model.compute_dtype' is 'float16'; valid: float32, bfloat16"),
     (["model.attention=flash_attention_2"], "flash_attention_2 needs model.compute_dtype: bfloat16"),
+    (["model.compute_dtype=bfloat16", "train.zero_stage=3"], "bfloat16 does not work with train.zero_stage 3"),
     (["model.attention=flash_attention_2", "model.compute_dtype=bfloat16"],
      "flash_attention_2 cannot run here: no CUDA GPU is visible"),
 ])
@@ -178,14 +191,19 @@ def test_training_step_with_varlen_attention_matches_masked_packing(
             f"model.attention={attention}", "model.compute_dtype=bfloat16",
             "rollout.rollout_prompts=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6",
             "train.micro_batch_tokens=200", "train.lr=0.001", "algo.kl.coef=0.1", f"output.dir={tmp_path / attention}",
+            "critic.enabled=true", "algo.advantage=gae",
             f"reward.default=[{{recipe: '{tmp_path / 'recipe.py'}:distinct_chars'}}]",
         ])
         trainer = SPMDTrainer(cfg)
+        for model in (trainer.backend.module, trainer.reference, trainer.critic.module.backbone):
+            assert model.config._attn_implementation == attention
+        assert trainer.reference.compute_dtype == trainer.critic.module.compute_dtype == torch.bfloat16
         before = torch.cat([p.detach().flatten().clone() for p in trainer.backend.module.parameters()])
         metrics = trainer.train_step()
         after = torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()])
         updates[attention] = (after - before, metrics)
-    assert reference_flash.kernels_seen("varlen")
+    layers = trainer.backend.module.config.text_config.num_hidden_layers
+    assert len(reference_flash.kernels_seen("varlen")) >= 3 * layers  # policy, reference and critic forwards
     masked, varlen = updates["sdpa"][0], updates["flash_attention_2"][0]
     assert masked.abs().max() > 0
     cosine = torch.nn.functional.cosine_similarity(masked, varlen, dim=0).item()
@@ -194,3 +212,27 @@ def test_training_step_with_varlen_attention_matches_masked_packing(
     assert masked_metrics["train/grad_norm"] > 0  # something to learn
     assert masked_metrics["rollout/reward_mean"] == varlen_metrics["rollout/reward_mean"]  # same rollouts
     assert varlen_metrics["train/grad_norm"] == pytest.approx(masked_metrics["train/grad_norm"], rel=0.02)
+
+
+def test_flash_attention_missing_names_what_is_missing(monkeypatch):
+    import importlib.util
+
+    import transformers.utils
+
+    from vlrft.models.attention import flash_attention_missing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flash_attention_missing() == "no CUDA GPU is visible"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "flash-attn package is not installed" in flash_attention_missing()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert "not one transformers can use" in flash_attention_missing()
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla T4")
+    assert flash_attention_missing() == "Tesla T4 predates Ampere (flash-attention 2 needs compute capability 8.0)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    assert flash_attention_missing() == ""
+    assert resolve_attention("auto", "bfloat16") == "flash_attention_2" and resolve_attention("auto", "float32") == "sdpa"

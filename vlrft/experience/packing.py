@@ -81,6 +81,7 @@ def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict:
     """The model's keyword inputs, on the model's device. Packed batches add their per-sample
     position ids and what keeps samples apart: a block-diagonal mask (sdpa) or the sample
     starts (flash varlen)."""
+    device = next(backbone.parameters()).device
     inputs = batch.model_inputs()
     if batch.seq_lengths is not None:
         inputs["position_ids"] = position_ids(backbone, batch)
@@ -88,6 +89,5 @@ def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict:
             del inputs["attention_mask"]
             inputs |= varlen_kwargs(batch.seq_lengths)
         else:
-            inputs["attention_mask"] = block_causal_mask(batch.seq_lengths)
-    device = next(backbone.parameters()).device
+            inputs["attention_mask"] = block_causal_mask(batch.seq_lengths, device)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}  # lengths stay ints

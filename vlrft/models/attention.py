@@ -31,6 +31,12 @@ def flash_attention_missing() -> str:
         return "no CUDA GPU is visible"
     if importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed (pip install 'vlrft[gpu]')"
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return "the installed flash-attn is not one transformers can use (needs >= 2.3.3)"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"{torch.cuda.get_device_name()} predates Ampere (flash-attention 2 needs compute capability 8.0)"
     return ""
 
 
@@ -46,14 +52,12 @@ def uses_varlen(backbone: torch.nn.Module) -> bool:
     return "flash" in (backbone.config._attn_implementation or "")
 
 
-def block_causal_mask(lengths: list[int]) -> torch.Tensor:
-    """True where a token may attend: earlier-or-same tokens of its own sequence. [1, 1, T, T]."""
-    total = sum(lengths)
-    mask = torch.zeros((total, total), dtype=torch.bool)
-    start = 0
-    for length in lengths:
-        mask[start : start + length, start : start + length] = torch.ones((length, length), dtype=torch.bool).tril()
-        start += length
+def block_causal_mask(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """True where a token may attend: earlier-or-same tokens of its own sequence. [1, 1, T, T],
+    built where it is used (T^2 booleans: never copied between devices)."""
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))  # [T]
+    position = torch.arange(sample.shape[0], device=device)  # [T]
+    mask = (sample[:, None] == sample[None, :]) & (position[:, None] >= position[None, :])  # [T, T]
     return mask[None, None]
 
 

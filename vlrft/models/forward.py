@@ -2,7 +2,8 @@
 
 Using the same function (same collation, same model inputs, same temperature scaling) for
 rollout-time and training-time logprobs is what makes the PPO ratio exactly 1 before the
-first update.
+first update (in fp32; with bf16 compute a token's logprob also depends on how its micro-batch
+was packed, so the first-epoch ratio carries bf16 rounding noise of about 1e-3).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def policy_forward(
     with decoder_autocast(inner):
         base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
     hidden = base.last_hidden_state.float()  # [B, L, H]; the LM head and logprobs run in fp32
-    aux = router_aux_loss(inner, base.router_logits) if moe_aux else None
+    aux = router_aux_loss(inner, tuple(r.float() for r in base.router_logits)) if moe_aux else None
     scored = batch.response_mask[:, 1:].bool().to(hidden.device)  # [B, L-1] position p predicts token p+1
     targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
     if keep_logits:

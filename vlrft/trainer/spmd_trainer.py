@@ -133,6 +133,7 @@ class SPMDTrainer:
         self.reference = None
         if cfg.algo.kl.coef > 0:
             self.reference = load_model(cfg.model.ref_path or cfg.model.path, *precision).eval().requires_grad_(False)
+            self.reference.to(next(self.backend.module.parameters()).device)  # beside the policy DeepSpeed placed
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None
         if cfg.critic.value_norm != "none":

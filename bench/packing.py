@@ -1,11 +1,12 @@
 """Padded vs packed micro-batches for one policy update on a length-skewed batch.
 
     python bench/packing.py [--samples 32] [--budget 2048]
-    python bench/packing.py --device cuda --compute-dtype bfloat16 --attention flash_attention_2
+    python bench/packing.py --device cuda --compute-dtype bfloat16 --attention torch_varlen --samples 256 --budget 16384
 
 Model: a randomly initialised ~50M-parameter Qwen2-shaped causal LM (hidden 512, 11 layers,
-32k vocabulary), fp32 weights on CPU by default. On a GPU the packed run can use the varlen
-flash-attention kernel (the padded baseline then runs flash-attention on its padding mask). Batch: 32 sequences with a 64-token prompt and skewed response
+32k vocabulary), fp32 weights on CPU by default. On a GPU the packed run can use a varlen kernel
+(flash_attention_2 or torch_varlen), timed after the same micro-batches with the block-diagonal
+sdpa mask; the peak GPU memory of each run is printed. Batch: 32 sequences with a 64-token prompt and skewed response
 lengths (most 8-40 tokens, a few 400-480: the shape of RL rollouts where some responses run
 long). Padded baseline: 8 sequences per micro-batch, right-padded to the longest (the usual
 fixed-size micro-batch); packed: vlrft's ReplayBuffer packing, `micro_batch_tokens` tokens
@@ -23,7 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vlrft.experience.collate import collate
 from vlrft.experience.packing import pack, split_by_token_budget
-from vlrft.models.attention import COMPUTE_DTYPES
+from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.types import Prompt, Rollout
 
@@ -42,7 +43,10 @@ def skewed_rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
 
 def update_seconds(model, batches, total_tokens: float) -> float:
     model.zero_grad(set_to_none=True)
-    synchronize = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    cuda = next(model.parameters()).is_cuda
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     synchronize()
     start = time.perf_counter()
     for batch in batches:
@@ -58,15 +62,15 @@ def main() -> None:
     parser.add_argument("--per-micro-batch", type=int, default=8, help="padded baseline: sequences per micro-batch")
     parser.add_argument("--budget", type=int, default=2048, help="packed: micro_batch_tokens")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flash_attention_2"])
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flash_attention_2", "torch_varlen"])
     parser.add_argument("--compute-dtype", default="float32", choices=list(COMPUTE_DTYPES))
     args = parser.parse_args()
-    if args.attention == "flash_attention_2" and args.compute_dtype != "bfloat16":
-        parser.error("--attention flash_attention_2 needs --compute-dtype bfloat16 (flash-attention has no fp32 kernel)")
+    if args.attention != "sdpa" and args.compute_dtype != "bfloat16":
+        parser.error(f"--attention {args.attention} needs --compute-dtype bfloat16 (flash-attention has no fp32 kernel)")
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=11,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True, attn_implementation=args.attention)
+                         tie_word_embeddings=True, attn_implementation="sdpa")
     model = Qwen2ForCausalLM(config).to(args.device)
     model.compute_dtype = COMPUTE_DTYPES[args.compute_dtype]  # as vlrft's loader sets it
     params = sum(p.numel() for p in model.parameters())
@@ -79,17 +83,28 @@ def main() -> None:
     packed_tokens = sum(b.input_ids.numel() for b in packed)
     lengths = sorted(len(r.response_ids) for r in rollouts)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
-    print(f"model: Qwen2-shaped, {params / 1e6:.1f}M parameters, fp32 weights, {args.compute_dtype} compute, "
-          f"{args.attention} attention, {where}")
+    print(f"model: Qwen2-shaped, {params / 1e6:.1f}M parameters, fp32 weights, {args.compute_dtype} compute, {where}")
     print(f"batch: {len(rollouts)} sequences, prompt 64 tokens, response tokens min/median/max "
           f"{lengths[0]}/{lengths[len(lengths) // 2]}/{lengths[-1]}; {real} real tokens")
+    # Padded runs sdpa on its padding mask; packed runs sdpa on the block-diagonal mask, then
+    # (with --attention other than sdpa) the varlen kernel on the same micro-batches.
+    runs = [("padded", "sdpa", padded, padded_tokens), ("packed", "sdpa", packed, packed_tokens)]
+    if args.attention != "sdpa":
+        runs.append(("packed", args.attention, packed, packed_tokens))
     times = {}
-    for name, batches, processed in (("padded", padded, padded_tokens), ("packed", packed, packed_tokens)):
-        times[name] = min(update_seconds(model, batches, response_tokens) for _ in range(2))
-        print(f"{name:7s} {len(batches):2d} micro-batches  tokens processed {processed:6d}  "
-              f"padding {1 - real / processed:6.1%}  update {times[name]:6.2f} s")
-    print(f"packed is {times['padded'] / times['packed']:.2f}x faster than padded "
+    for name, attention, batches, processed in runs:
+        model.set_attn_implementation(resolve_attention(attention, args.compute_dtype))
+        label = f"{name} ({'mask' if attention == 'sdpa' else attention})"
+        times[label] = min(update_seconds(model, batches, response_tokens) for _ in range(2))
+        peak = f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:5.2f} GiB" if args.device.startswith("cuda") else ""
+        print(f"{label:22s} {len(batches):2d} micro-batches  tokens processed {processed:6d}  "
+              f"padding {1 - real / processed:6.1%}  update {times[label]:6.2f} s{peak}")
+    print(f"packed is {times['padded (mask)'] / times['packed (mask)']:.2f}x faster than padded "
           f"({padded_tokens / packed_tokens:.2f}x fewer tokens processed)")
+    if args.attention != "sdpa":
+        varlen = times[f"packed ({args.attention})"]
+        print(f"packed with {args.attention} is {times['padded (mask)'] / varlen:.2f}x faster than padded and "
+              f"{times['packed (mask)'] / varlen:.2f}x faster than packed with the block-diagonal mask")
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
                 return 128 + stopped.signum
             if trainer.rank == 0:
-                curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
-                print(f"held-out accuracy by step: {curve}", flush=True)
+                if history:  # empty without data.eval_path
+                    curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
+                    print(f"held-out accuracy by step: {curve}", flush=True)
                 print(f"outputs: {cfg.output.dir} (metrics.jsonl, final/ HF checkpoint)", flush=True)
                 if cfg.trajectory.save_every:
                     html, summary = write_report(cfg.output.dir)

@@ -31,7 +31,8 @@ class ModelConfig:
     ref_path: str = ""  # reference model checkpoint; empty = same as `path`
     freeze_vision: bool = False  # train without updating the vision tower (policy and critic)
     # How packed samples are kept apart in attention: auto | sdpa (block-diagonal mask) |
-    # flash_attention_2 (varlen kernel; CUDA + flash-attn + bfloat16). See models/attention.py.
+    # flash_attention_2 (varlen kernel; CUDA + flash-attn + bfloat16) | torch_varlen (PyTorch's
+    # built-in varlen FlashAttention; CUDA + torch >= 2.10 + bfloat16). See models/attention.py.
     attention: str = "auto"
     # Decoder compute precision for policy, reference and critic forwards: float32 | bfloat16
     # (autocast over fp32 master weights; LM head, logprobs and value head stay fp32).
@@ -315,7 +316,7 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
 def _validate_model(model: ModelConfig, zero_stage: int) -> None:
     import torch
 
-    from vlrft.models.attention import ATTENTION_CHOICES, COMPUTE_DTYPES, flash_attention_missing
+    from vlrft.models.attention import ATTENTION_CHOICES, COMPUTE_DTYPES, attention_missing
 
     if model.attention not in ATTENTION_CHOICES:
         raise ConfigError(f"config key 'model.attention' is '{model.attention}'; valid: {', '.join(ATTENTION_CHOICES)}")
@@ -328,12 +329,13 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
                           "(autocast would keep a bf16 copy of every gathered weight until backward); use zero_stage 2")
     if model.compute_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"config key 'model.compute_dtype' bfloat16: {torch.cuda.get_device_name()} has no bf16 support")
-    if model.attention == "flash_attention_2":
+    if model.attention in ("flash_attention_2", "torch_varlen"):
         if model.compute_dtype != "bfloat16":
-            raise ConfigError("config key 'model.attention' flash_attention_2 needs model.compute_dtype: bfloat16 (flash-attention has no fp32 kernel)")
-        missing = flash_attention_missing()
+            raise ConfigError(f"config key 'model.attention' {model.attention} needs model.compute_dtype: bfloat16 "
+                              "(flash-attention has no fp32 kernel)")
+        missing = attention_missing(model.attention)
         if missing:
-            raise ConfigError(f"config key 'model.attention' flash_attention_2 cannot run here: {missing}")
+            raise ConfigError(f"config key 'model.attention' {model.attention} cannot run here: {missing}")
 
 
 def validate(cfg: Config) -> None:

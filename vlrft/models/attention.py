@@ -6,7 +6,10 @@ Attention (`model.attention`):
 - `flash_attention_2`: no mask. The varlen flash-attention kernel gets each sample's start
   (cumulative lengths), so memory is O(T) and nothing across samples is computed. Needs a CUDA
   GPU, the flash-attn package and bf16 compute (flash-attention has no fp32 kernel).
-- `auto`: flash_attention_2 where it can run, else sdpa.
+- `torch_varlen`: the same, on PyTorch's built-in varlen FlashAttention kernel (torch >= 2.10):
+  no extra package to build (see torch_varlen.py).
+- `auto`: with bf16 compute on a GPU, flash_attention_2 where installed, else torch_varlen where
+  it can run; sdpa otherwise.
 
 Compute precision (`model.compute_dtype`): `bfloat16` runs the decoder (vision tower included)
 under torch.autocast over the fp32 master weights that the optimizer updates, as transformers
@@ -21,7 +24,9 @@ from itertools import accumulate
 
 import torch
 
-ATTENTION_CHOICES = ("auto", "sdpa", "flash_attention_2")
+from vlrft.models.torch_varlen import TORCH_VARLEN, torch_varlen_missing
+
+ATTENTION_CHOICES = ("auto", "sdpa", "flash_attention_2", "torch_varlen")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -40,16 +45,23 @@ def flash_attention_missing() -> str:
     return ""
 
 
+def attention_missing(attention: str) -> str:
+    """Why a varlen `model.attention` choice cannot run here ("" when it can)."""
+    return flash_attention_missing() if attention == "flash_attention_2" else torch_varlen_missing()
+
+
 def resolve_attention(requested: str, compute_dtype: str) -> str:
     """The transformers attn_implementation for `model.attention` (config-checked already)."""
     if requested == "auto":
-        return "flash_attention_2" if compute_dtype == "bfloat16" and not flash_attention_missing() else "sdpa"
-    return requested
+        kernels = ("flash_attention_2", "torch_varlen") if compute_dtype == "bfloat16" else ()
+        requested = next((k for k in kernels if not attention_missing(k)), "sdpa")
+    return TORCH_VARLEN if requested == "torch_varlen" else requested
 
 
 def uses_varlen(backbone: torch.nn.Module) -> bool:
     """Whether the model's attention takes cumulative sequence lengths instead of a mask."""
-    return "flash" in (backbone.config._attn_implementation or "")
+    implementation = backbone.config._attn_implementation or ""
+    return implementation == TORCH_VARLEN or "flash" in implementation
 
 
 def block_causal_mask(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:

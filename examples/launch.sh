@@ -13,6 +13,9 @@ model=artifacts/tiny-$kind data=artifacts/$task
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 # On SIGTERM torchrun forwards the signal, then SIGKILLs after --shutdown-timeout (default 30 s):
-# give the ranks time to finish the step and write their checkpoint.
-torchrun --nproc_per_node "${NPROC:-2}" --shutdown-timeout 600 -m vlrft.cli train "$config" "$@"
+# give the ranks time to finish the step and write their checkpoint. Older torchrun (torch
+# 2.11, for one) has no such flag and keeps its fixed grace period.
+grace=() usage=$(torchrun --help 2>&1 || true)
+[[ $usage == *--shutdown-timeout* ]] && grace=(--shutdown-timeout 600)
+torchrun --nproc_per_node "${NPROC:-2}" ${grace[@]+"${grace[@]}"} -m vlrft.cli train "$config" "$@"
 echo "training wall time: $(( $(date +%s) - start )) s"

@@ -148,6 +148,8 @@ BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
     (["model.compute_dtype=bfloat16", "train.zero_stage=3"], "bfloat16 does not work with train.zero_stage 3"),
     (["model.attention=flash_attention_2", "model.compute_dtype=bfloat16"],
      "flash_attention_2 cannot run here: no CUDA GPU is visible"),
+    (["model.attention=torch_varlen"], "torch_varlen needs model.compute_dtype: bfloat16"),
+    (["model.attention=torch_varlen", "model.compute_dtype=bfloat16"], "torch_varlen cannot run here: no CUDA GPU is visible"),
 ])
 def test_attention_config_errors_name_the_key(tmp_path, overrides, message):
     if torch.cuda.is_available():

@@ -314,28 +314,11 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
 
 
 def _validate_model(model: ModelConfig, zero_stage: int) -> None:
-    import torch
+    from vlrft.models.attention import precision_config_problem
 
-    from vlrft.models.attention import ATTENTION_CHOICES, COMPUTE_DTYPES, attention_missing
-
-    if model.attention not in ATTENTION_CHOICES:
-        raise ConfigError(f"config key 'model.attention' is '{model.attention}'; valid: {', '.join(ATTENTION_CHOICES)}")
-    if model.compute_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"config key 'model.compute_dtype' is '{model.compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
-    if model.compute_dtype == "bfloat16" and zero_stage == 3:
-        # Autocast keeps the bf16 cast of every gathered weight for the backward: a full bf16
-        # copy of the model per rank, which is what ZeRO-3 exists to avoid.
-        raise ConfigError("config key 'model.compute_dtype' bfloat16 does not work with train.zero_stage 3 "
-                          "(autocast would keep a bf16 copy of every gathered weight until backward); use zero_stage 2")
-    if model.compute_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"config key 'model.compute_dtype' bfloat16: {torch.cuda.get_device_name()} has no bf16 support")
-    if model.attention in ("flash_attention_2", "torch_varlen"):
-        if model.compute_dtype != "bfloat16":
-            raise ConfigError(f"config key 'model.attention' {model.attention} needs model.compute_dtype: bfloat16 "
-                              "(flash-attention has no fp32 kernel)")
-        missing = attention_missing(model.attention)
-        if missing:
-            raise ConfigError(f"config key 'model.attention' {model.attention} cannot run here: {missing}")
+    problem = precision_config_problem(model.attention, model.compute_dtype, zero_stage)
+    if problem:
+        raise ConfigError(problem)
 
 
 def validate(cfg: Config) -> None:

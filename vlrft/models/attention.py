@@ -50,6 +50,30 @@ def attention_missing(attention: str) -> str:
     return flash_attention_missing() if attention == "flash_attention_2" else torch_varlen_missing()
 
 
+def precision_config_problem(attention: str, compute_dtype: str, zero_stage: int) -> str:
+    """Why `model.attention` / `model.compute_dtype` cannot be used as configured, as the one
+    line the config error prints ("" when they can)."""
+    if attention not in ATTENTION_CHOICES:
+        return f"config key 'model.attention' is '{attention}'; valid: {', '.join(ATTENTION_CHOICES)}"
+    if compute_dtype not in COMPUTE_DTYPES:
+        return f"config key 'model.compute_dtype' is '{compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}"
+    if compute_dtype == "bfloat16" and zero_stage == 3:
+        # Autocast keeps the bf16 cast of every gathered weight for the backward: a full bf16
+        # copy of the model per rank, which is what ZeRO-3 exists to avoid.
+        return ("config key 'model.compute_dtype' bfloat16 does not work with train.zero_stage 3 "
+                "(autocast would keep a bf16 copy of every gathered weight until backward); use zero_stage 2")
+    if compute_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return f"config key 'model.compute_dtype' bfloat16: {torch.cuda.get_device_name()} has no bf16 support"
+    if attention in ("flash_attention_2", "torch_varlen"):
+        if compute_dtype != "bfloat16":
+            return (f"config key 'model.attention' {attention} needs model.compute_dtype: bfloat16 "
+                    "(flash-attention has no fp32 kernel)")
+        missing = attention_missing(attention)
+        if missing:
+            return f"config key 'model.attention' {attention} cannot run here: {missing}"
+    return ""
+
+
 def resolve_attention(requested: str, compute_dtype: str) -> str:
     """The transformers attn_implementation for `model.attention` (config-checked already)."""
     if requested == "auto":

@@ -45,6 +45,7 @@ def main(out_file: str, overrides: list[str]) -> None:
     trained, initial = load_model(f"{cfg.output.dir}/final"), load_model(cfg.model.path)
     result = {
         "rank": dist.get_rank(),
+        "engine_dtype": str(trainer.engine.llm.llm_engine.model_config.dtype),
         "diff_to_trained": max(float((s - hf_logprobs(trained, q)).abs().max()) for s, q in zip(served, sequences)),
         "diff_to_initial": max(float((s - hf_logprobs(initial, q)).abs().max()) for s, q in zip(served, sequences)),
     }

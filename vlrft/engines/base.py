@@ -74,4 +74,5 @@ def _make_vllm_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]
         max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         memory_fraction=cfg.rollout.vllm_memory_fraction,
         image_pixels=(cfg.data.min_pixels, cfg.data.max_pixels),
+        dtype=cfg.model.compute_dtype,
     )

@@ -88,6 +88,7 @@ class VLLMEngine:
         max_model_len: int,
         memory_fraction: float,
         image_pixels: tuple[int, int] = (3136, 12544),
+        dtype: str = "float32",
     ):
         # The engine runs inside this rank's process; vLLM must not spawn its own engine process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -120,9 +121,9 @@ class VLLMEngine:
             distributed_executor_backend="external_launcher",
             # Ranks of one TP group must sample identically; groups sample independently.
             seed=seed + self.group_index,
-            # The trainer (and the HF engine) compute in fp32; vLLM's "auto" would halve an fp32
-            # checkpoint's precision and open a logprob gap between rollout and training.
-            dtype="float32",
+            # The trainer's decoder precision (`model.compute_dtype`): vLLM's "auto" would halve
+            # an fp32 checkpoint's precision and open a logprob gap between rollout and training.
+            dtype=dtype,
             max_model_len=max_model_len,
             gpu_memory_utilization=memory_fraction,
             enable_sleep_mode=self.can_sleep,

@@ -14,7 +14,8 @@ directory can be moved or copied as a unit.
 Two tasks:
   * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
                    chance = 1/len(COLOURS) = 25%).
-  * ``addition`` - small addition (operands 0..4), text only (a cheap sanity task).
+  * ``addition`` - small addition (operands 0..4, sums balanced), text only (a cheap sanity
+                   task; chance = 1/9).
 
 CLI::
 
@@ -146,6 +147,19 @@ def balanced_colours(n: int, rng: np.random.Generator) -> list[str]:
     return [colours[i] for i in order]
 
 
+def balanced_sum_pairs(n: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """``n`` operand pairs whose sums are balanced over ADDITION_ANSWERS (each n // 9 or
+    n // 9 + 1 times), in random order. Uniform operands would make the sum triangular, with 4
+    right for 20% of the prompts: a tiny policy that ignores the operands and always says 4 then
+    beats every other guess and GRPO settles there (measured: held-out accuracy 0.22 -> 0.18
+    over 150 steps). With balanced sums no constant answer pays, and the same example run
+    reaches 0.9-1.0 (examples/addition)."""
+    top = ADDITION_OPERANDS[-1]
+    sums = [ADDITION_ANSWERS[i % len(ADDITION_ANSWERS)] for i in rng.permutation(n)]
+    firsts = [int(rng.integers(max(0, s - top), min(top, s) + 1)) for s in sums]
+    return [(a, s - a) for a, s in zip(firsts, sums)]
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -176,14 +190,14 @@ def write_colour_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int
 
 
 def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
-    """Small addition (a, b in ADDITION_OPERANDS, answer str(a + b)); text only."""
+    """Small addition (a, b in ADDITION_OPERANDS, sums balanced, answer str(a + b)); text only."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rngs = _split_rngs(seed)
     for split, n in (("train", n_train), ("test", n_test)):
         rng = rngs[split]
-        pairs = rng.integers(0, len(ADDITION_OPERANDS), size=(n, 2))
-        rows = [addition_row(f"{ADDITION_SOURCE}-{split}-{i:05d}", int(a), int(b)) for i, (a, b) in enumerate(pairs)]
+        pairs = balanced_sum_pairs(n, rng)
+        rows = [addition_row(f"{ADDITION_SOURCE}-{split}-{i:05d}", a, b) for i, (a, b) in enumerate(pairs)]
         _write_jsonl(out_dir / f"{split}.jsonl", rows)
     return out_dir
 

@@ -88,9 +88,12 @@ def test_addition_task(tmp_path):
     assert len(rows) == 50 and len(_rows(tmp_path / "test.jsonl")) == 10
     for r in rows:
         a, b = r["meta"]["a"], r["meta"]["b"]
-        assert 0 <= a <= 9 and 0 <= b <= 9
+        assert 0 <= a <= 4 and 0 <= b <= 4
         assert r["answer"] == str(a + b) and r["data_source"] == "addition"
         assert r["messages"][0]["content"] == [{"type": "text", "text": ss.addition_question(a, b)}]
+    # Sums balanced (50 rows over 9 sums: 5 or 6 each), so no constant answer beats 6/50.
+    assert sorted(Counter(r["answer"] for r in rows).values()) == [5, 5, 5, 5, 6, 6, 6, 6, 6]
+    assert len({(r["meta"]["a"], r["meta"]["b"]) for r in rows}) > 9  # sums come from varied pairs
     ss.write_addition_task(tmp_path / "again", n_train=50, n_test=10, seed=0)
     assert (tmp_path / "train.jsonl").read_bytes() == (tmp_path / "again" / "train.jsonl").read_bytes()
 

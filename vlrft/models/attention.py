@@ -27,6 +27,7 @@ import torch
 from vlrft.models.torch_varlen import TORCH_VARLEN, torch_varlen_missing
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flash_attention_2", "torch_varlen")
+VARLEN_KERNELS = ("flash_attention_2", "torch_varlen")  # mask-free choices, in auto's preference order
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -64,7 +65,7 @@ def precision_config_problem(attention: str, compute_dtype: str, zero_stage: int
                 "(autocast would keep a bf16 copy of every gathered weight until backward); use zero_stage 2")
     if compute_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return f"config key 'model.compute_dtype' bfloat16: {torch.cuda.get_device_name()} has no bf16 support"
-    if attention in ("flash_attention_2", "torch_varlen"):
+    if attention in VARLEN_KERNELS:
         if compute_dtype != "bfloat16":
             return (f"config key 'model.attention' {attention} needs model.compute_dtype: bfloat16 "
                     "(flash-attention has no fp32 kernel)")
@@ -77,7 +78,7 @@ def precision_config_problem(attention: str, compute_dtype: str, zero_stage: int
 def resolve_attention(requested: str, compute_dtype: str) -> str:
     """The transformers attn_implementation for `model.attention` (config-checked already)."""
     if requested == "auto":
-        kernels = ("flash_attention_2", "torch_varlen") if compute_dtype == "bfloat16" else ()
+        kernels = VARLEN_KERNELS if compute_dtype == "bfloat16" else ()
         requested = next((k for k in kernels if not attention_missing(k)), "sdpa")
     return TORCH_VARLEN if requested == "torch_varlen" else requested
 

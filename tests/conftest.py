@@ -44,7 +44,7 @@ def addition_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def world_of_one():
     """A one-rank gloo process group, as a plain `python` run of the trainer creates."""
-    from vlrft.trainer.distributed import init_distributed
+    from vlrft.distributed import init_distributed
 
     return init_distributed()
 

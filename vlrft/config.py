@@ -18,6 +18,7 @@ import yaml
 
 
 LR_SCHEDULES = ("constant", "cosine")
+OFFLOAD_CHOICES = ("none", "optimizer", "all")
 ON_BAD_SAMPLE = ("error", "skip")
 
 
@@ -37,6 +38,9 @@ class ModelConfig:
     # Decoder compute precision for policy, reference and critic forwards: float32 | bfloat16
     # (autocast over fp32 master weights; LM head, logprobs and value head stay fp32).
     compute_dtype: str = "float32"
+    # Recompute each decoder layer's activations in backward instead of keeping them (policy and
+    # critic): activation memory of one layer instead of all, for ~30% more update compute.
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -140,6 +144,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     micro_batch_tokens: int = 4096  # token budget of one forward micro-batch
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 0, 2 or 3
+    # CPU offload (DeepSpeed): none | optimizer (Adam states + fp32 master weights in CPU memory,
+    # stage >= 1) | all (parameters too, stage 3). Trades step time for GPU memory.
+    offload: str = "none"
     seed: int = 0
     # Keep an EMA copy of the policy (ema <- beta ema + (1 - beta) policy) for evaluation and
     # export to final_ema/; 0 = off.
@@ -360,6 +367,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'train.zero_stage' must be 0, 1, 2 or 3, got {cfg.train.zero_stage}")
+    if cfg.train.offload not in OFFLOAD_CHOICES:
+        raise ConfigError(f"config key 'train.offload' is '{cfg.train.offload}'; valid: {', '.join(OFFLOAD_CHOICES)}")
+    if cfg.train.offload == "optimizer" and cfg.train.zero_stage == 0:
+        raise ConfigError("config key 'train.offload' optimizer needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
+    if cfg.train.offload == "all" and cfg.train.zero_stage != 3:
+        raise ConfigError("config key 'train.offload' all (parameters too) needs train.zero_stage 3")
     positive = {
         "rollout.rollout_prompts": cfg.rollout.rollout_prompts,
         "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
@@ -473,10 +486,21 @@ def kl_estimator_name(kl: KLConfig) -> str:
     return "k1" if kl.placement == "reward" else "k3"
 
 
-def check_world_size(cfg: Config, world_size: int) -> None:
+def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> None:
+    """Checks that need the launch's shape (at start, before models load)."""
     if cfg.rollout.rollout_prompts % world_size:
         raise ConfigError(
             f"rollout.rollout_prompts ({cfg.rollout.rollout_prompts}) must be divisible by the world size ({world_size})"
+        )
+    tp = cfg.rollout.engine_tp_size
+    if world_size % tp:
+        raise ConfigError(f"config key 'rollout.engine_tp_size' ({tp}) must divide the number of ranks ({world_size})")
+    if ranks_per_node is not None and ranks_per_node % tp:
+        # Groups are consecutive ranks and torchrun numbers ranks node by node: a group fits in
+        # a node exactly when the size divides the ranks per node.
+        raise ConfigError(
+            f"config key 'rollout.engine_tp_size' ({tp}) must divide the ranks per node ({ranks_per_node}): "
+            "a tensor-parallel engine group cannot span nodes"
         )
 
 

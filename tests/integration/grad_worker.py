@@ -21,7 +21,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.data.encoding import PromptEncoder
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import load_model
-    from vlrft.trainer.distributed import init_distributed
+    from vlrft.distributed import init_distributed
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 

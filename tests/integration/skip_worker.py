@@ -16,7 +16,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
     from vlrft.experience.packing import pack
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import load_model
-    from vlrft.trainer.distributed import init_distributed
+    from vlrft.distributed import init_distributed
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 

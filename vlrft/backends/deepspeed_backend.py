@@ -8,7 +8,8 @@ from typing import Iterator
 
 import deepspeed
 import torch
-import torch.distributed as dist
+
+from vlrft.distributed import barrier, rank
 
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint
@@ -42,21 +43,23 @@ class DeepSpeedBackend:
         zero_stage: int,
         lr_schedule: str = "constant",
         total_optimizer_steps: int = 1,
+        offload: str = "none",
+        bf16_weights: bool = False,
     ):
-        config = {
-            "train_micro_batch_size_per_gpu": 1,  # unused: vlrft sizes micro-batches by tokens
-            "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly
-            "gradient_clipping": grad_clip,
-            "zero_optimization": {"stage": zero_stage},
-            "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU and GPU alike
-            "steps_per_print": 1 << 30,
-        }
+        config = deepspeed_config(zero_stage, grad_clip, offload, bf16_weights)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         factor = lr_factor(lr_schedule, total_optimizer_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        if offload == "none":
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        else:
+            # The optimizer steps on the CPU: DeepSpeed builds its vectorised CPU AdamW from the
+            # config (torch's AdamW there would be several times slower).
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
+            optimizer = None
+            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
         self.zero_stage = zero_stage
 
@@ -133,17 +136,44 @@ class DeepSpeedBackend:
 
     def save_hf(self, out_dir: Path) -> None:
         state = self.full_state_dict()
-        if dist.get_rank() == 0:
+        if rank() == 0:
             self.module.save_pretrained(out_dir, state_dict=state)
-        dist.barrier()
+        barrier()
 
     def save_state_dict(self, out_file: Path) -> None:
         """torch.save of the full state dict (for modules that are not HF models: the critic)."""
         state = self.full_state_dict()
-        if dist.get_rank() == 0:
+        if rank() == 0:
             out_file.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, out_file)
-        dist.barrier()
+            torch.save({name: tensor.cpu() for name, tensor in state.items()}, out_file)
+        barrier()
+
+
+def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weights: bool) -> dict:
+    """The DeepSpeed config for a vlrft model.
+
+    `offload`: optimizer = Adam states and fp32 master weights in CPU memory (ZeRO-Offload,
+    stages 1-3); all = parameters too (ZeRO-Infinity, stage 3). `bf16_weights`: DeepSpeed's
+    bf16 mode, bf16 parameters and gradients with fp32 master weights in the optimizer (how
+    bf16 compute runs under ZeRO-3, where autocast would keep a bf16 copy of every gathered
+    weight for the backward)."""
+    zero: dict = {"stage": zero_stage}
+    pin = torch.cuda.is_available()  # page-locked host memory speeds up GPU<->CPU copies
+    if offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if offload == "all":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # unused: vlrft sizes micro-batches by tokens
+        "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU and GPU alike
+        "steps_per_print": 1 << 30,
+    }
+    if bf16_weights:
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def lr_factor(schedule: str, total_steps: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
@@ -20,6 +21,17 @@ class SamplingParams:
     temperature: float
     top_p: float = 1.0
     greedy: bool = False  # evaluation: argmax decoding, temperature/top_p ignored
+    # Base seed of this generate call (the trainer derives it from train.seed, step and sampling
+    # round). The vLLM engine seeds each request from it, so the ranks of a TP group sample
+    # identically by construction and a resumed run samples what the original run would have.
+    # None: the engine's own generator.
+    seed: int | None = None
+
+
+def derived_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (distinct inputs give unrelated seeds)."""
+    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 class RolloutEngine(Protocol):
@@ -57,7 +69,7 @@ def make_rollout(prompt: Prompt, new_ids: list[int], tokenizer, stop_ids: list[i
 def _make_hf_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) -> RolloutEngine:
     from vlrft.engines.hf_engine import HFEngine
 
-    return HFEngine(cfg.model.path, tokenizer, stop_ids, banned_ids)
+    return HFEngine(cfg.model.path, tokenizer, stop_ids, banned_ids, compute_dtype=cfg.model.compute_dtype)
 
 
 @ENGINES.register("vllm")

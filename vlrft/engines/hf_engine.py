@@ -7,16 +7,27 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
+from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
 from vlrft.experience.collate import concat_mm_inputs, mm_token_type_ids
+from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
 
 
 class HFEngine:
-    def __init__(self, model_path: str, tokenizer, stop_ids: list[int], banned_ids: list[int], max_batch: int = 64):
-        # A separate copy: the trainer's (possibly ZeRO-3-sharded) module never serves generation.
-        self.model = load_model(model_path).eval()
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        stop_ids: list[int],
+        banned_ids: list[int],
+        max_batch: int = 64,
+        compute_dtype: str = "float32",
+    ):
+        # A separate copy on this rank's device: the trainer's (possibly ZeRO-3-sharded) module
+        # never serves generation. It decodes in the trainer's compute dtype (autocast).
+        self.model = load_model(model_path, compute_dtype=compute_dtype).eval().to(device())
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.banned_ids = banned_ids
@@ -52,12 +63,14 @@ class HFEngine:
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[row, width - len(p.prompt_ids) :] = 1
         mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=True)
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=self._generation_config(params),
-            **mm,
-        )  # [B, P + new]
+        here = self.model.device
+        with decoder_autocast(self.model):
+            out = self.model.generate(
+                input_ids=input_ids.to(here),
+                attention_mask=attention_mask.to(here),
+                generation_config=self._generation_config(params),
+                **{k: v.to(here) for k, v in mm.items()},
+            )  # [B, P + new]
         return [make_rollout(p, out[row, width:].tolist(), self.tokenizer, self.stop_ids) for row, p in enumerate(prompts)]
 
     @torch.no_grad()

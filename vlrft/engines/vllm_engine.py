@@ -5,13 +5,14 @@ construction and the group arithmetic are testable without it)."""
 from __future__ import annotations
 
 import os
+import socket
 from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from vlrft.config import ConfigError
-from vlrft.engines.base import SamplingParams, make_rollout
+from vlrft.distributed import all_gather_objects, new_groups, rank, world_size
+from vlrft.engines.base import SamplingParams, derived_seed, make_rollout
 from vlrft.models.loader import is_vision_language, tied_parameter_aliases
 from vlrft.types import Prompt, Rollout
 
@@ -27,6 +28,17 @@ def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
             f"config key 'rollout.engine_tp_size' ({tp_size}) must divide the number of ranks ({world_size})"
         )
     return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def groups_spanning_nodes(groups: list[list[int]], hosts: list[str]) -> list[list[int]]:
+    """The groups whose ranks (indices into `hosts`, each rank's host name) are not all on one node."""
+    return [g for g in groups if len({hosts[r] for r in g}) > 1]
+
+
+def request_seeds(base: int | None, group_index: int, count: int) -> list[int | None]:
+    """One seed per request of a generate call: from the call's base seed, the TP group and the
+    request's position in the group's request list (identical on every rank of the group)."""
+    return [None if base is None else derived_seed(base, group_index, i) for i in range(count)]
 
 
 def vision_unsupported_reason() -> str | None:
@@ -61,7 +73,7 @@ def checkpoint_format(
             yield alias, tensor
 
 
-def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids: list[int]) -> dict:
+def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids: list[int], seed: int | None = None) -> dict:
     """vLLM SamplingParams for our sampling settings: the same distribution the HF engine samples
     from (no top-k, no penalties), stop ids kept in the output, banned ids never sampled."""
     sample = {"temperature": 0.0} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}
@@ -72,6 +84,7 @@ def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids
         "logit_bias": {i: float("-inf") for i in banned_ids} or None,
         "logprobs": 0,  # the sampled token's logprob (after temperature: processed_logprobs)
         "detokenize": False,  # responses are decoded by our tokenizer, like the HF engine's
+        "seed": seed,
         **sample,
     }
 
@@ -102,11 +115,15 @@ class VLLMEngine:
             ) from None
         if is_vision_language(model_path) and (reason := vision_unsupported_reason()):
             raise EngineSetupError(f"{reason}; use rollout.engine: hf for {model_path}")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        groups = tp_groups(world, tp_size)
-        # Every rank must create every group, in the same order.
-        handles = [dist.new_group(ranks) for ranks in groups] if tp_size > 1 else []
-        self.group_index = rank // tp_size
+        groups = tp_groups(world_size(), tp_size)
+        spanning = groups_spanning_nodes(groups, all_gather_objects(socket.gethostname()))
+        if spanning:
+            raise EngineSetupError(
+                f"tensor-parallel engine group of ranks {spanning[0]} spans nodes: rollout.engine_tp_size "
+                "must divide the ranks per node, and torchrun must number ranks node by node"
+            )
+        handles = new_groups(groups) if tp_size > 1 else []
+        self.group_index = rank() // tp_size
         self.group = handles[self.group_index] if handles else None
         self.tokenizer = tokenizer
         self.aliases = tied_parameter_aliases(model_path)
@@ -115,11 +132,12 @@ class VLLMEngine:
         # Sleep mode frees accelerator memory for training; it needs a GPU.
         self.can_sleep = torch.cuda.is_available()
         self._said_no_sleep = False
+        self._cache_asleep = False
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=tp_size,
             distributed_executor_backend="external_launcher",
-            # Ranks of one TP group must sample identically; groups sample independently.
+            # Requests carry their own seeds (request_seeds); this one only seeds what has none.
             seed=seed + self.group_index,
             # The trainer's decoder precision (`model.compute_dtype`): vLLM's "auto" would halve
             # an fp32 checkpoint's precision and open a logprob gap between rollout and training.
@@ -143,13 +161,18 @@ class VLLMEngine:
         requests = [request_for(p) for p in prompts]
         offset, all_requests = 0, requests
         if self.group is not None:  # the TP group generates every member's prompts together
-            per_rank: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(per_rank, requests, group=self.group)
-            offset = sum(len(r) for r in per_rank[: dist.get_rank(self.group)])
+            per_rank = all_gather_objects(requests, self.group)
+            offset = sum(len(r) for r in per_rank[: rank(self.group)])
             all_requests = [r for part in per_rank for r in part]
         if not all_requests:
             return []
-        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids))
+        if self._cache_asleep:  # after the weights (wake) and their sync: now the KV cache
+            self.llm.wake_up(tags=["kv_cache"])
+            self._cache_asleep = False
+        sampling = [
+            VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids, seed))
+            for seed in request_seeds(params.seed, self.group_index, len(all_requests))
+        ]
         outputs = self.llm.generate(all_requests, sampling, use_tqdm=False)[offset : offset + len(prompts)]
         rollouts = []
         for prompt, output in zip(prompts, outputs):
@@ -180,5 +203,10 @@ class VLLMEngine:
             self._said_no_sleep = True
 
     def wake(self) -> None:
+        """Weights first (the sync overwrites them next); the KV cache wakes at the next generate,
+        so weights and cache are never both back while the trainer's freed blocks are still
+        held by PyTorch's caching allocator."""
         if self.can_sleep:
-            self.llm.wake_up()
+            torch.cuda.empty_cache()  # the update's cached blocks go back to the driver for vLLM
+            self.llm.wake_up(tags=["weights"])
+            self._cache_asleep = True

@@ -59,25 +59,30 @@ def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
     )
 
 
-def gather_responses(batch: MicroBatch, per_token: torch.Tensor) -> list[torch.Tensor]:
-    """Each sample's response-token values from a per-token tensor of the batch. list of [R_i].
+def gather_responses(batch: MicroBatch, per_token: torch.Tensor, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """Each sample's response-token values from a per-token tensor of the batch, on `device`
+    (default: where `per_token` is; one copy for the whole batch). list of [R_i].
 
     Response positions come in sample order in both layouts (padded rows, one packed row).
     """
     lengths = [len(rollout_of(s).response_ids) for s in batch.samples]
-    return list(torch.split(per_token[batch.response_mask.bool()], lengths))
+    selected = per_token[batch.response_mask.bool().to(per_token.device)]  # [sum R_i]
+    return list(torch.split(selected.to(device) if device is not None else selected, lengths))
 
 
-def pad_rows(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
-    """Left-aligned [R_i] tensors -> [N, width] with zeros after each row."""
+def pad_rows(rows: list[torch.Tensor], width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Left-aligned [R_i] tensors -> float32 [N, width] with zeros after each row, built where
+    the rows are and then moved to `device` (default: the rows' device, so a GPU forward's
+    rows stay on the GPU with their gradients). Rows must share one device."""
     width = max((len(r) for r in rows), default=0) if width is None else width
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.float32, device=device)
+    padded = torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)  # [N, max R_i]
+    padded = torch.nn.functional.pad(padded, (0, width - padded.shape[1]))  # [N, width]
+    return padded.to(device) if device is not None else padded
 
 
 def response_rows(batch: MicroBatch, per_token: torch.Tensor) -> torch.Tensor:
     """Per-token values of a micro-batch in the loss layout: one row per sample, its response
-    tokens left-aligned ([S, R]), whatever the batch layout."""
-    return pad_rows(gather_responses(batch, per_token))
+    tokens left-aligned ([S, R]), whatever the batch layout; on `per_token`'s device."""
+    return pad_rows(gather_responses(batch, per_token), device=per_token.device)

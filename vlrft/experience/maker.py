@@ -3,7 +3,7 @@ advantages in one pass over micro-batches."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -21,7 +21,7 @@ from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
 from vlrft.rewards.mix import RewardMix
-from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
+from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
 
 
@@ -106,10 +106,11 @@ class FastExperienceMaker:
     def make(self, prompts: list[Prompt]) -> tuple[list[Experience], dict[str, float]]:
         return self.finish(self.generate_and_score(prompts))
 
-    def generate_and_score(self, prompts: list[Prompt]) -> list[Experience]:
-        """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`."""
+    def generate_and_score(self, prompts: list[Prompt], seed: int | None = None) -> list[Experience]:
+        """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`.
+        `seed` is the generate call's base seed (SamplingParams.seed)."""
         s = self.settings
-        rollouts = self.engine.generate(prompts, s.sampling)
+        rollouts = self.engine.generate(prompts, replace(s.sampling, seed=seed))
         totals, components, dense = self.rewards.score(
             [r.response_text for r in rollouts], [completion_fields(r) for r in rollouts]
         )
@@ -219,5 +220,7 @@ class FastExperienceMaker:
                 found["values"] = token_values(self.critic(), batch)
             if not batch.dummy:
                 for key, value in found.items():
-                    out[key] += gather_responses(batch, value)
+                    # Experiences wait for the update on the CPU: accelerator memory is the
+                    # update's, and each micro-batch moves its own rows back (update.py).
+                    out[key] += gather_responses(batch, value, "cpu")
         return out

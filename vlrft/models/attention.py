@@ -12,8 +12,11 @@ Attention (`model.attention`):
   it can run; sdpa otherwise.
 
 Compute precision (`model.compute_dtype`): `bfloat16` runs the decoder (vision tower included)
-under torch.autocast over the fp32 master weights that the optimizer updates, as transformers
-recommends for flash-attention; the LM head, logprobs, entropy and the value head stay fp32.
+and the LM head's matmul under torch.autocast; logsumexp, logprobs, entropy and the value head
+stay fp32. Under ZeRO 0-2 the parameters stay fp32 (the optimizer's master copy, cast per
+matmul by autocast). Under ZeRO-3 the policy and critic use DeepSpeed's bf16 mode instead
+(bf16 parameters, fp32 master weights in the optimizer): autocast there would keep the bf16
+cast of every gathered weight until backward, a full bf16 copy of the model per rank.
 """
 
 from __future__ import annotations
@@ -58,11 +61,6 @@ def precision_config_problem(attention: str, compute_dtype: str, zero_stage: int
         return f"config key 'model.attention' is '{attention}'; valid: {', '.join(ATTENTION_CHOICES)}"
     if compute_dtype not in COMPUTE_DTYPES:
         return f"config key 'model.compute_dtype' is '{compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}"
-    if compute_dtype == "bfloat16" and zero_stage == 3:
-        # Autocast keeps the bf16 cast of every gathered weight for the backward: a full bf16
-        # copy of the model per rank, which is what ZeRO-3 exists to avoid.
-        return ("config key 'model.compute_dtype' bfloat16 does not work with train.zero_stage 3 "
-                "(autocast would keep a bf16 copy of every gathered weight until backward); use zero_stage 2")
     if compute_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return f"config key 'model.compute_dtype' bfloat16: {torch.cuda.get_device_name()} has no bf16 support"
     if attention in VARLEN_KERNELS:

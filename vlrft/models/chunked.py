@@ -14,6 +14,7 @@ LOGIT_CHUNK_TOKENS = 1024  # 1024 x 150k fp32 logits = 0.6 GB: bounded whatever 
 
 
 def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
+    # The head's matmul in the caller's autocast dtype; logsumexp and softmax in fp32.
     logits = head(hidden).float() / temperature  # [c, V] this chunk only
     lse = torch.logsumexp(logits, dim=-1)  # [c]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [c]

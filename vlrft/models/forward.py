@@ -4,6 +4,10 @@ Using the same function (same collation, same model inputs, same temperature sca
 rollout-time and training-time logprobs is what makes the PPO ratio exactly 1 before the
 first update (in fp32; with bf16 compute a token's logprob also depends on how its micro-batch
 was packed, so the first-epoch ratio carries bf16 rounding noise of about 1e-3).
+
+Precision: the decoder and the LM head's matmul run in the compute dtype (autocast; in fp32
+nothing changes); the logits are then taken to fp32 for logsumexp, logprobs and entropy, so
+the normaliser over a 150k vocabulary never accumulates in bf16.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def policy_forward(
     extra = {"output_router_logits": True} if moe_aux else {}
     with decoder_autocast(inner):
         base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
-    hidden = base.last_hidden_state.float()  # [B, L, H]; the LM head and logprobs run in fp32
+        return _head_stats(inner, batch, base, temperature, moe_aux, keep_logits, chunk_tokens)
+
+
+def _head_stats(inner, batch: MicroBatch, base, temperature: float, moe_aux: bool, keep_logits: bool, chunk_tokens: int) -> ForwardOut:
+    """The LM-head half of `policy_forward` (under its autocast)."""
+    hidden = base.last_hidden_state  # [B, L, H] in the compute dtype
     aux = router_aux_loss(inner, tuple(r.float() for r in base.router_logits)) if moe_aux else None
     scored = batch.response_mask[:, 1:].bool().to(hidden.device)  # [B, L-1] position p predicts token p+1
     targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
@@ -56,8 +65,8 @@ def policy_forward(
         keep = scored.float()
         return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
     logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature, chunk_tokens)
-    logp = hidden.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L-1]
-    entropy = hidden.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L-1]
+    logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L-1] fp32
+    entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L-1] fp32
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect. It

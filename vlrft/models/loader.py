@@ -24,14 +24,25 @@ def _model_class(model_path: str):
     return AutoModelForImageTextToText if is_vision_language(model_path) else AutoModelForCausalLM
 
 
-def load_model(model_path: str, attention: str = "sdpa", compute_dtype: str = "float32") -> torch.nn.Module:
-    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config, with fp32
-    weights (the optimizer's master copy). `attention` is a transformers attn_implementation
-    (models/attention.py); `compute_dtype` is what `decoder_autocast` runs the decoder in."""
-    model = _model_class(model_path).from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
+def load_model(
+    model_path: str, attention: str = "sdpa", compute_dtype: str = "float32", weights_dtype: str = "float32"
+) -> torch.nn.Module:
+    """A causal LM or an image-text-to-text model, chosen from the checkpoint's config, with
+    `weights_dtype` weights (fp32 for anything an optimizer updates: its master copy).
+    `attention` is a transformers attn_implementation (models/attention.py); `compute_dtype` is
+    what `decoder_autocast` runs the decoder in."""
+    model = _model_class(model_path).from_pretrained(
+        model_path, dtype=COMPUTE_DTYPES[weights_dtype], attn_implementation=attention
+    )
     model.config.use_cache = False  # training forwards never want a KV cache
     model.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     return model
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute decoder layers in backward (transformers' own switch, non-reentrant: works with
+    ZeRO-3's gathered parameters and with inputs that need no grad)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tied_parameter_aliases(model_path: str) -> dict[str, list[str]]:

@@ -29,7 +29,8 @@ class ValueModel(torch.nn.Module):
     def forward(self, **inputs) -> torch.Tensor:
         with decoder_autocast(self):
             hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+        # The head in its own dtype (fp32, or bf16 under DeepSpeed's bf16 mode), values in fp32.
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)  # [B, L]
 
 
 def load_value_model(path: str, attention: str = "sdpa", compute_dtype: str = "float32") -> ValueModel:

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from vlrft.data.dataset import message_text, user_text
+from vlrft.distributed import device
 
 _LOAD_LOCK = threading.Lock()  # guards the caches below (not the models)
 _RM_CACHE: dict[str, tuple] = {}  # path -> (tokenizer, model, lock)
@@ -40,7 +41,8 @@ def _load_reward_model(path: str) -> tuple:
             tokenizer.truncation_side = "left"  # keep the end: the classifier reads the last token
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token
-            model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False)
+            # On the rank's device, beside the policy (the engine-side judge is an HFEngine, also there).
+            model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False).to(device())
             if model.config.pad_token_id is None:  # it locates each row's last non-pad token
                 model.config.pad_token_id = tokenizer.pad_token_id
             _RM_CACHE[path] = (tokenizer, model, threading.Lock())
@@ -83,7 +85,8 @@ def scalar_reward_model(
                 add_special_tokens=special,
                 return_tensors="pt",
             )
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, 1]
+            inputs = {k: batch[k].to(model.device) for k in ("input_ids", "attention_mask")}
+            logits = model(**inputs).logits  # [B, 1]
             scores += [float(x) for x in logits[:, 0].float()]
     return scores
 

@@ -15,7 +15,7 @@ import torch
 
 from vlrft.data.dataset import DataError, read_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.trainer.distributed import all_reduce_sum
+from vlrft.distributed import all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
 
 

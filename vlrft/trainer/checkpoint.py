@@ -104,7 +104,8 @@ def discard_after(run_dir: Path, step: int) -> None:
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own GPU only: touching every visible GPU would open a context on each.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -113,7 +114,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def truncate_metrics_after(path: Path, step: int) -> None:
@@ -135,7 +136,7 @@ def truncate_metrics_after(path: Path, step: int) -> None:
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(torch.load(Path(path) / "trainer.pt", weights_only=False)["step"])
+    return int(torch.load(Path(path) / "trainer.pt", weights_only=False, map_location="cpu")["step"])
 
 
 # Keys whose value is baked into a checkpoint's state: resuming with another value would

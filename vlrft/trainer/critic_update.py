@@ -11,7 +11,7 @@ from vlrft.config import Config
 from vlrft.experience.collate import response_rows
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.value_model import token_values
-from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum
+from vlrft.distributed import all_reduce_max_int, all_reduce_sum, device
 from vlrft.trainer.update import (
     backward_guarded,
     drop_bad_micro_batches,
@@ -32,13 +32,14 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
         if not batches:
             continue
         total_tokens, total_seqs = step_normalisers(batches)
-        sums = torch.zeros(4)  # loss share, token sums of: values, returns, squared error
+        here = device()
+        sums = torch.zeros(4, device=here)  # loss share, token sums of: values, returns, squared error
         nonfinite = 0
         for i, batch in enumerate(batches):
-            mask = loss_mask(batch)  # [S, R]
+            mask = loss_mask(batch, here)  # [S, R]
             values = response_rows(batch, token_values(backend.model, batch))  # [S, R]
-            old = sample_rows(batch, "values")  # [S, R]
-            returns = sample_rows(batch, "returns")  # [S, R]
+            old = sample_rows(batch, "values", here)  # [S, R]
+            returns = sample_rows(batch, "returns", here)  # [S, R]
             per_token = value_loss(values, old, returns, cfg.critic.value_clip)
             loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
             nonfinite += not backward_guarded(backend, loss, values, world_size, boundary=i == len(batches) - 1)

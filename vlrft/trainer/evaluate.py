@@ -9,7 +9,7 @@ import torch
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.maker import sample_fields
 from vlrft.rewards.mix import RewardMix
-from vlrft.trainer.distributed import all_reduce_sum
+from vlrft.distributed import all_reduce_sum
 from vlrft.types import Prompt
 
 

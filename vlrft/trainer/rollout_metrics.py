@@ -4,22 +4,17 @@ data source, training accuracy, lengths, truncation, recipe failures."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from vlrft.experience.maker import completion_fields
 from vlrft.rewards.guard import abandoned_calls
 from vlrft.rewards.mix import RewardMix
-from vlrft.trainer.distributed import all_reduce_sum
+from vlrft.distributed import all_gather_objects, all_reduce_sum
 from vlrft.types import Experience
 
 
 def union_over_ranks(names: set[str]) -> list[str]:
     """The sorted union of every rank's names: a layout all ranks agree on for a reduction."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(names))
-        names = set().union(*map(set, gathered))
-    return sorted(names)
+    return sorted(set().union(*map(set, all_gather_objects(sorted(names)))))
 
 
 def mark_correct(experiences: list[Experience], rewards: RewardMix) -> None:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
@@ -21,13 +20,21 @@ from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES
+from vlrft.engines.base import derived_seed
 from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.metrics.external_sinks import configured_sinks
 from vlrft.models.attention import resolve_attention
-from vlrft.models.loader import banned_token_ids, freeze_vision_tower, load_model, stop_token_ids, vision_tower
+from vlrft.models.loader import (
+    banned_token_ids,
+    enable_gradient_checkpointing,
+    freeze_vision_tower,
+    load_model,
+    stop_token_ids,
+    vision_tower,
+)
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
@@ -45,7 +52,15 @@ from vlrft.trainer.checkpoint import (
     temporary_dir,
 )
 from vlrft.trainer.critic_update import critic_update
-from vlrft.trainer.distributed import all_reduce_max_int, all_reduce_sum, init_distributed
+from vlrft.distributed import (
+    all_reduce_max_int,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_rank0,
+    device,
+    init_distributed,
+    local_world_size,
+)
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
@@ -73,12 +88,11 @@ class SPMDTrainer:
         hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
-        check_world_size(cfg, self.world_size)
+        check_world_size(cfg, self.world_size, local_world_size())
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
         self.step = 0
-        resume_from = resume_path(cfg.checkpoint.resume, self.out_dir)
-        start_step = checkpoint_step(resume_from) if resume_from is not None else 0
+        resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank)
 
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
@@ -105,6 +119,9 @@ class SPMDTrainer:
                 zero_stage=cfg.train.zero_stage,
                 lr_schedule=cfg.train.lr_schedule,
                 total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
+                offload=cfg.train.offload,
+                # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
+                bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,
             )
 
         attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
@@ -117,6 +134,10 @@ class SPMDTrainer:
                 f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
             )
         critic = load_value_model(cfg.critic.path or cfg.model.path, *precision) if cfg.critic.enabled else None
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)
+            if critic is not None:
+                enable_gradient_checkpointing(critic.backbone)
         self.frozen_vision_parameters = 0
         if cfg.model.freeze_vision:
             if vision_tower(policy) is None:
@@ -129,11 +150,9 @@ class SPMDTrainer:
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
+        self.reference = load_reference(cfg, precision) if cfg.algo.kl.coef > 0 else None
+        # Last of the models: a GPU engine sizes its memory budget from what is still free.
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
-        self.reference = None
-        if cfg.algo.kl.coef > 0:
-            self.reference = load_model(cfg.model.ref_path or cfg.model.path, *precision).eval().requires_grad_(False)
-            self.reference.to(next(self.backend.module.parameters()).device)  # beside the policy DeepSpeed placed
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None
         if cfg.critic.value_norm != "none":
@@ -263,7 +282,7 @@ class SPMDTrainer:
             items = [(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
             prompts, bad = self.bad_input.encode(self.encoder, items)  # bad prompts: all ranks
             skipped += bad
-            scored = self.maker.generate_and_score(prompts)
+            scored = self.maker.generate_and_score(prompts, derived_seed(self.cfg.train.seed, self.step, rounds))
             generated += scored
             rounds += 1
             if not rollout.dynamic_sampling:
@@ -320,7 +339,7 @@ class SPMDTrainer:
         if self.rank == 0:
             clear_temporaries(self.out_dir)
             temporary.mkdir(parents=True)
-        dist.barrier()
+        barrier()
         self.backend.save_checkpoint(temporary / "policy")
         if self.critic is not None:
             self.critic.save_checkpoint(temporary / "critic")
@@ -343,22 +362,23 @@ class SPMDTrainer:
                     "kl_controller": self.kl_controller.state_dict(),
                     "return_stats": self.return_stats.state_dict() if self.return_stats is not None else None,
                     "policy_ema": self.policy_ema,
-                    "reference": self.reference.state_dict() if moving_reference else None,
+                    "reference": cpu_state_dict(self.reference) if moving_reference else None,
                     "eval_history": self.eval_history,
                     "zero_reward_streak": self.zero_reward_watch.streak,
                 },
                 temporary / "trainer.pt",
             )
-        dist.barrier()  # every rank's files are complete: only now may the checkpoint appear
+        barrier()  # every rank's files are complete: only now may the checkpoint appear
         final = temporary.with_name(step_dir_name(self.step))
         if self.rank == 0:
             publish(temporary, self.cfg.checkpoint.keep_last)
-        dist.barrier()
+        barrier()
         return final
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue exactly where the checkpoint left off (every rank)."""
-        state = torch.load(path / "trainer.pt", weights_only=False)
+        # On the CPU first: each tensor then goes to this rank's device as it is restored.
+        state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
         changed = changed_state_keys(state["config"], to_dict(self.cfg))
         if changed:
             raise ConfigError(
@@ -370,7 +390,7 @@ class SPMDTrainer:
                 f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
                 f"(this run has {self.world_size})"
             )
-        mine = torch.load(path / f"rank{self.rank}.pt", weights_only=False)
+        mine = torch.load(path / f"rank{self.rank}.pt", weights_only=False, map_location="cpu")
         self.backend.load_checkpoint(path / "policy")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
@@ -416,3 +436,35 @@ class SPMDTrainer:
                 f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
                 f"check the reward recipes ({', '.join(self.rewards.component_names())}); usually a broken verifier"
             )
+
+
+def resume_decision(resume: str, out_dir: Path, rank: int) -> tuple[Path | None, int]:
+    """(checkpoint to resume from or None, its step), decided by rank 0 and broadcast: ranks on
+    different nodes may see a shared file system at different moments, and must not disagree
+    on whether to resume. A bad `checkpoint.resume` fails on every rank with rank 0's message."""
+    decision: tuple = (None, 0, "")
+    if rank == 0:
+        try:
+            path = resume_path(resume, out_dir)
+            decision = (str(path) if path else None, checkpoint_step(path) if path else 0, "")
+        except ConfigError as err:
+            decision = (None, 0, str(err))
+    path, step, problem = broadcast_from_rank0(decision)
+    if problem:
+        raise ConfigError(problem)
+    return (Path(path) if path else None), step
+
+
+def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
+    """The frozen reference policy on this rank's device. With bf16 compute it is held in bf16
+    (it has no optimizer and needs no fp32 master copy: half the memory, same matmul inputs as
+    autocast gives); a moving reference (algo.kl.ref_ema_eta) keeps fp32, where small EMA steps
+    do not round away."""
+    weights = "bfloat16" if precision[1] == "bfloat16" and cfg.algo.kl.ref_ema_eta == 0 else "float32"
+    model = load_model(cfg.model.ref_path or cfg.model.path, *precision, weights_dtype=weights)
+    return model.eval().requires_grad_(False).to(device())
+
+
+def cpu_state_dict(module: torch.nn.Module) -> dict:
+    """A state dict of CPU tensors: a checkpoint must load on any rank's device (map_location)."""
+    return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
@@ -16,20 +15,21 @@ from vlrft.experience.collate import pad_rows, response_rows, rollout_of
 from vlrft.experience.packing import pack, split_by_token_budget
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
-from vlrft.trainer.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
+from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum, device, rank, world_size
 from vlrft.types import MicroBatch, Rollout
 
 
-def loss_mask(batch: MicroBatch) -> torch.Tensor:
+def loss_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
     """Response tokens that count in the loss, in the loss layout (a row per sample, responses
-    left-aligned): not padding, not dummies, not masked out. [S, R]."""
+    left-aligned): not padding, not dummies, not masked out. [S, R] on `on`."""
     keep = [0.0 if batch.dummy else float(getattr(s, "in_loss", True)) for s in batch.samples]
-    return pad_rows([torch.full((len(rollout_of(s).response_ids),), k) for s, k in zip(batch.samples, keep)])
+    return pad_rows([torch.full((len(rollout_of(s).response_ids),), k) for s, k in zip(batch.samples, keep)], device=on)
 
 
-def sample_rows(batch: MicroBatch, field: str) -> torch.Tensor:
-    """A per-token Experience field ([R_i] each) in the loss layout. [S, R]."""
-    return pad_rows([getattr(e, field) for e in batch.samples])
+def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -> torch.Tensor:
+    """A per-token Experience field ([R_i] each, kept on the CPU between the experience pass
+    and the update) in the loss layout, moved to `on` in one copy. [S, R]."""
+    return pad_rows([getattr(e, field) for e in batch.samples], device=on)
 
 
 def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[MicroBatch], int]:
@@ -63,13 +63,13 @@ def step_or_skip(backend: TrainBackend, nonfinite: int, what: str) -> float | No
     on this rank; all-reduced, so every rank steps or skips together). A skipped step drops
     the gradients and leaves parameters, optimizer state and lr schedule as they were.
     Returns the gradient norm, or None when skipped."""
-    per_rank = torch.zeros(dist.get_world_size())
-    per_rank[dist.get_rank()] = nonfinite
+    per_rank = torch.zeros(world_size())
+    per_rank[rank()] = nonfinite
     per_rank = all_reduce_sum(per_rank)  # [world] non-finite micro-batch losses per rank
     if per_rank.sum() == 0:
         return backend.step()
     backend.skip_step()
-    if dist.get_rank() == 0:
+    if rank() == 0:
         ranks = ", ".join(str(r) for r in per_rank.nonzero().flatten().tolist())
         print(
             f"vlrft: skipped a {what} optimizer step: non-finite loss in {int(per_rank.sum())} micro-batch(es) "
@@ -92,11 +92,12 @@ def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
 @torch.no_grad()
 def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[float, float]:
     """Mean importance ratio and approximate KL to the rollout policy over all valid tokens."""
-    sums = torch.zeros(3)
+    here = device()
+    sums = torch.zeros(3, device=here)
     for batch in batches:
-        mask = loss_mask(batch)  # [S, R]
+        mask = loss_mask(batch, here)  # [S, R]
         logp = response_rows(batch, policy_forward(model, batch, temperature).logp)  # [S, R]
-        old = sample_rows(batch, "old_logprobs")  # [S, R]
+        old = sample_rows(batch, "old_logprobs", here)  # [S, R]
         ratio = torch.exp((logp - old).clamp(-20, 20))
         sums += torch.stack([(ratio * mask).sum(), (approx_kl(logp, old) * mask).sum(), mask.sum()])
     ratio_sum, kl_sum, count = all_reduce_sum(sums).tolist()
@@ -162,11 +163,12 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
     need_entropy = algo.entropy_coef > 0 or algo.high_entropy_token_ratio > 0
     total_tokens, total_seqs = step_normalisers(batches)  # global denominators of this step
     work = [(False, b) for b in batches] + [(True, b) for b in ptx]
-    step_loss = torch.zeros(1)  # sum of micro-batch shares = this step's loss
-    sums = torch.zeros(7)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
+    here = device()  # the loss and its sums stay on the rank's device
+    step_loss = torch.zeros(1, device=here)  # sum of micro-batch shares = this step's loss
+    sums = torch.zeros(7, device=here)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
     nonfinite = 0  # micro-batches of this step whose loss was NaN or infinite
     for i, (is_ptx, batch) in enumerate(work):
-        mask = loss_mask(batch)  # [S, R] the loss layout: a row per sample, responses left-aligned
+        mask = loss_mask(batch, here)  # [S, R] the loss layout: a row per sample, responses left-aligned
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -182,8 +184,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             sums[5] += nll.detach()
         else:
             entropy = response_rows(batch, out.entropy) if need_entropy else torch.zeros_like(logp)  # [S, R]
-            old = sample_rows(batch, "old_logprobs")  # [S, R]
-            adv = sample_rows(batch, "advantages")  # [S, R]
+            old = sample_rows(batch, "old_logprobs", here)  # [S, R]
+            adv = sample_rows(batch, "advantages", here)  # [S, R]
             pg, clip_hit = policy_loss(
                 algo.policy_loss, logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c
             )
@@ -200,7 +202,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
                         ref_logits = policy_forward(reference, batch, temperature, keep_logits=True).logits
                     kl = response_rows(batch, torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0)))
                 else:
-                    kl = KL_ESTIMATORS.get(estimator)(logp, sample_rows(batch, "ref_logprobs"))  # [S, R]
+                    kl = KL_ESTIMATORS.get(estimator)(logp, sample_rows(batch, "ref_logprobs", here))  # [S, R]
                 token_loss = token_loss + kl_coef * kl
             loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
             if out.aux_loss is not None:

@@ -1,0 +1,159 @@
+"""The process group and every collective vlrft makes (the only module that calls
+torch.distributed; a test checks that).
+
+Device story: each rank binds the GPU `LOCAL_RANK` names before the process group exists, and
+the group routes each tensor by its device (`cpu:gloo,cuda:nccl`), so DeepSpeed's and vLLM's
+CUDA collectives go through NCCL while object collectives and CPU bookkeeping use gloo. The
+helpers below run tensor collectives on `comm_device()` (the GPU under NCCL, the CPU under
+gloo) and return results on the caller's device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+# Long enough for rank-0-only work between two collectives (writing a 7B final checkpoint, a
+# checkpoint rotation on a slow shared file system); a hung collective still ends the job.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
+class LaunchError(RuntimeError):
+    """The processes were started in a way that cannot form one run; one-line message."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_problem(env: dict[str, str]) -> str:
+    """Why this process cannot join a run from its environment ("" when it can). A plain
+    `srun python -m vlrft.cli ...` with several tasks starts N processes that each think they
+    are a world of one, all writing one output directory: refuse it."""
+    if "RANK" in env:
+        return ""
+    tasks = int(env.get("SLURM_NTASKS", "1") or 1)
+    if tasks > 1:
+        return (
+            f"started as one of {tasks} Slurm tasks without torchrun's RANK/WORLD_SIZE: launch one torchrun per "
+            "node (see examples/slurm/train.sbatch), or run a single task"
+        )
+    return ""
+
+
+def device() -> torch.device:
+    """This rank's compute device: the GPU `LOCAL_RANK` names, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the torchrun process group; a plain `python` run is a world of one. Returns
+    (rank, world_size)."""
+    if not dist.is_initialized():
+        problem = launch_problem(dict(os.environ))
+        if problem:
+            raise LaunchError(problem)
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if torch.cuda.is_available():
+            here = device()
+            torch.cuda.set_device(here)  # before the group: NCCL binds the current device
+            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=PROCESS_GROUP_TIMEOUT, device_id=here)
+        else:
+            dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; a world of one outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def comm_device() -> torch.device:
+    """Where tensor collectives run: the rank's GPU when the group has NCCL, else the CPU."""
+    return device() if torch.cuda.is_available() and dist.is_initialized() else torch.device("cpu")
+
+
+def all_reduce_sum(values: torch.Tensor, out_device: torch.device | str | None = None) -> torch.Tensor:
+    """Sum over ranks, as float32, on `out_device` (default: where `values` is)."""
+    out = values.detach().to(comm_device(), dtype=torch.float32, copy=True)
+    if world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(out_device if out_device is not None else values.device)
+
+
+def all_reduce_max_int(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=comm_device())
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
+    """Concatenate a 1-D tensor of any length from every rank (rank order), on `values`' device."""
+    world = world_size()
+    if world == 1:
+        return values
+    comm = comm_device()
+    sizes = [torch.zeros(1, dtype=torch.long, device=comm) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=comm))
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=values.dtype, device=comm)
+    padded[: values.numel()] = values.detach().to(comm)
+    parts = [torch.zeros(longest, dtype=values.dtype, device=comm) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)]).to(values.device)
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order (within `group` when given)."""
+    if world_size(group) == 1:
+        return [obj]
+    gathered: list = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def gather_objects_to_rank0(obj) -> list | None:
+    """Every rank's `obj` on rank 0 (rank order); None on the other ranks."""
+    if world_size() == 1:
+        return [obj]
+    gathered = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's picklable `obj` on every rank (decisions one rank makes for all: resume)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def new_groups(rank_lists: list[list[int]]) -> list:
+    """A process group per rank list; every rank must create every group, in the same order."""
+    return [dist.new_group(ranks) for ranks in rank_lists]

@@ -10,6 +10,7 @@ import sys
 
 from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import DataError
+from vlrft.distributed import LaunchError
 from vlrft.metrics.external_sinks import MissingSinkPackage
 from vlrft.rewards.mix import RewardError
 from vlrft.trajectory.records import ReportError
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except json.JSONDecodeError as err:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, RewardError, ReportError, MissingSinkPackage) as err:
+    except (ConfigError, DataError, RewardError, ReportError, MissingSinkPackage, LaunchError) as err:
         print(f"vlrft: error: {err}", file=sys.stderr)
         return 2
     return 0

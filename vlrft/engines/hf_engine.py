@@ -26,8 +26,9 @@ class HFEngine:
         compute_dtype: str = "float32",
     ):
         # A separate copy on this rank's device: the trainer's (possibly ZeRO-3-sharded) module
-        # never serves generation. It decodes in the trainer's compute dtype (autocast).
-        self.model = load_model(model_path, compute_dtype=compute_dtype).eval().to(device())
+        # never serves generation. It holds and decodes in the trainer's compute dtype (an
+        # inference copy needs no fp32 master: half the memory under bf16).
+        self.model = load_model(model_path, compute_dtype=compute_dtype, weights_dtype=compute_dtype).eval().to(device())
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.banned_ids = banned_ids

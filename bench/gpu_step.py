@@ -1,0 +1,178 @@
+"""Packed bf16 policy-update throughput and MFU for Qwen2.5-VL-shaped policies on one GPU.
+
+    python bench/gpu_step.py                      # 0.5B, 1.5B, 3B shapes; ZeRO-2/3 x checkpointing
+    python bench/gpu_step.py --shapes 1.5B --zero 3 --checkpointing on
+    python bench/gpu_step.py --shapes tiny --device cpu --attention sdpa --compute-dtype float32   # smoke run
+
+Each shape is a Qwen2.5-VL model built from its published text dimensions with random weights
+(vision tower included in memory; the batch is text-only, so the tower does no work). The
+update is vlrft's own: DeepSpeed backend (ZeRO-2, or ZeRO-3 in bf16 mode), packed micro-batches
+of `--budget` tokens through `policy_forward` (varlen attention, chunked LM head on response
+tokens), a token-mean policy-gradient loss, backward and optimizer step. Rollouts have a
+256-token prompt and response lengths skewed between 64 and 1024 tokens.
+
+Printed per setting: update tokens/s, MFU and peak GPU memory. MFU counts model FLOPs (a
+checkpointed layer's recomputation is not counted): 6 x (decoder matmul parameters) per token,
+plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per sequence of length s (QK^T and AV,
+forward and backward), plus the LM head 6 x hidden x vocab per response token, divided by the
+update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
+throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from vlrft.backends.deepspeed_backend import DeepSpeedBackend
+from vlrft.distributed import init_distributed
+from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
+from vlrft.models.forward import policy_forward
+from vlrft.models.loader import enable_gradient_checkpointing
+from vlrft.types import Prompt, Rollout
+
+# Qwen2.5 text dimensions: hidden, layers, attention heads, kv heads, MLP width.
+SHAPES = {
+    "tiny": (128, 2, 4, 2, 256),
+    "0.5B": (896, 24, 14, 2, 4864),
+    "1.5B": (1536, 28, 12, 2, 8960),
+    "3B": (2048, 36, 16, 2, 11008),
+}
+VOCAB = 151_936
+PROMPT_TOKENS = 256
+
+
+def build_model(shape: str, attention: str, compute_dtype: str, device: str) -> torch.nn.Module:
+    hidden, layers, heads, kv_heads, mlp = SHAPES[shape]
+    head_dim = hidden // heads
+    section = head_dim // 2 // 4  # M-RoPE sections (t, h, w) summing to head_dim / 2
+    text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=mlp, vocab_size=VOCAB, max_position_embeddings=32768,
+                rope_scaling={"type": "mrope", "mrope_section": [head_dim // 2 - 2 * section, section, section]})
+    vision = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 4, "out_hidden_size": hidden} \
+        if shape == "tiny" else {"out_hidden_size": hidden}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)  # as Qwen2.5 up to 3B
+    config._attn_implementation = attention
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.config.use_cache = False
+    model.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+    return model
+
+
+def rollouts(n: int, seed: int = 0) -> list[Rollout]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        longest = 1025 if i % 4 == 0 else 385  # one in four responses runs long
+        length = int(torch.randint(64, longest, (1,), generator=g))
+        prompt = Prompt(id=str(i), data_source="bench", answer="", meta={}, prompt_text="",
+                        prompt_ids=torch.randint(10, VOCAB, (PROMPT_TOKENS,), generator=g).tolist(), index=i)
+        rollout = Rollout(prompt, i, torch.randint(10, VOCAB, (length,), generator=g).tolist(), "", False)
+        out.append(rollout)
+    return out
+
+
+def model_flops(shape: str, samples: list[Rollout]) -> float:
+    """Training FLOPs (forward + backward) of one update over `samples`, as the docstring counts them."""
+    hidden, layers, heads, kv_heads, mlp = SHAPES[shape]
+    kv = hidden // heads * kv_heads
+    layer_params = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp
+    tokens = sum(len(r.prompt.prompt_ids) + len(r.response_ids) for r in samples)
+    attention = sum(2 * layers * hidden * (len(r.prompt.prompt_ids) + len(r.response_ids)) ** 2 / 2 for r in samples)
+    head = hidden * VOCAB * sum(len(r.response_ids) for r in samples)
+    return 6 * (layers * layer_params * tokens + attention + head)
+
+
+def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) -> float:
+    """Seconds of one update (best of `repeats`, after one warm-up)."""
+    best = float("inf")
+    for repeat in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i, batch in enumerate(batches):
+            logp = policy_forward(backend.model, batch, 1.0).logp  # [1, T]
+            loss = -(logp * batch.response_mask.to(logp.device)).sum() / batch.response_mask.sum()
+            backend.backward(loss / len(batches), boundary=i == len(batches) - 1)
+        backend.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if repeat:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_update(shape, zero, checkpointing, args) -> str:
+    model = build_model(shape, args.attention_impl, args.compute_dtype, args.device)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero,
+                               bf16_weights=zero == 3 and args.compute_dtype == "bfloat16")
+    samples = rollouts(args.samples)
+    batches = [pack(group) for group in split_by_token_budget(samples, args.budget)]
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = time_updates(backend, batches, args.repeats, args.device)
+    tokens = sum(b.input_ids.numel() for b in batches)
+    mfu = model_flops(shape, samples) / seconds / (args.peak_tflops * 1e12)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    del backend, model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  {len(batches)} micro-batches  "
+            f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s")
+
+
+@torch.no_grad()
+def bench_rollout(shape, args) -> str:
+    from transformers import GenerationConfig
+
+    model = build_model(shape, "sdpa", args.compute_dtype, args.device).eval().to(COMPUTE_DTYPES[args.compute_dtype])
+    prompts = torch.randint(10, VOCAB, (args.rollout_prompts, PROMPT_TOKENS), device=args.device)
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens,
+                              min_new_tokens=args.new_tokens, pad_token_id=0)
+    model.generate(input_ids=prompts[:2], generation_config=config)  # warm-up
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = (out.shape[1] - PROMPT_TOKENS) * out.shape[0]
+    return f"{shape:>5} HF engine rollout  {generated} tokens in {seconds:.2f} s = {generated / seconds:8.0f} tokens/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B"], choices=list(SHAPES))
+    parser.add_argument("--zero", nargs="+", type=int, default=[2, 3])
+    parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--attention", default="auto", help="model.attention (auto picks a varlen kernel on GPU)")
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=list(COMPUTE_DTYPES))
+    parser.add_argument("--samples", type=int, default=64, help="rollouts per update")
+    parser.add_argument("--budget", type=int, default=16384, help="micro_batch_tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H100 SXM bf16: 989)")
+    parser.add_argument("--rollout-prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    init_distributed()  # a world of one: DeepSpeed needs a process group
+    args.attention_impl = resolve_attention(args.attention, args.compute_dtype)
+    print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, attention {args.attention_impl}, "
+          f"compute {args.compute_dtype}, {args.samples} rollouts/update, budget {args.budget} tokens", flush=True)
+    for shape in args.shapes:
+        for zero in args.zero:
+            for checkpointing in args.checkpointing:
+                print(bench_update(shape, zero, checkpointing == "on", args), flush=True)
+        print(bench_rollout(shape, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Estimated GPU memory per rank for Qwen2.5-class policies: which settings fit on which GPUs.
+
+    python bench/memory_table.py [--gpu-gib 80]
+
+An estimate from the byte counts of what vlrft keeps (not a measurement): model states of the
+policy under each DeepSpeed setting, plus the frozen reference and the rollout engine's weights.
+Activations (bounded by train.micro_batch_tokens; gradient checkpointing cuts them to one layer),
+the LM-head chunk (models/chunked.py) and vLLM's KV cache (rollout.vllm_memory_fraction, asleep
+during the update) come on top; "fits" leaves 25% of the card for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+GIB = 2**30
+
+# Parameter counts of the real checkpoints (text decoder + vision tower for the VL ones).
+MODELS = {"Qwen2.5-1.5B": 1.54e9, "Qwen2.5-VL-3B": 3.75e9, "Qwen2.5-VL-7B": 8.29e9}
+
+
+def policy_state_bytes(params: float, ranks: int, zero_stage: int, offload: str) -> float:
+    """Bytes on one GPU for the trained policy's weights, gradients and Adam states.
+
+    ZeRO 0-2 (bf16 by autocast): fp32 weights 4P on every rank; fp32 gradients, fp32 master
+    partition and Adam's two moments, 4 + 4 + 8 = 16P, split over ranks (stage 2; stage 0 keeps
+    them whole). ZeRO-3 in DeepSpeed's bf16 mode: bf16 weights and gradients 2 + 2, fp32 master
+    4, Adam 8: 16P split over ranks (fp32 mode: 4 + 4 + 8 = 16P too). Offload moves the master
+    weights and Adam states (12P) to CPU memory, `all` the weights as well.
+    """
+    if zero_stage == 0:
+        return 20 * params
+    if zero_stage in (1, 2):
+        cpu_side = 12 * params / ranks if offload != "none" else 0.0
+        return 4 * params + 16 * params / ranks - cpu_side
+    per_rank = 16 * params / ranks
+    if offload == "optimizer":
+        per_rank -= 12 * params / ranks
+    if offload == "all":
+        per_rank = 0.0  # only the layer being computed is gathered on the GPU
+    return per_rank
+
+
+def row(name: str, params: float, ranks: int, zero_stage: int, offload: str, gpu_gib: float) -> str:
+    policy = policy_state_bytes(params, ranks, zero_stage, offload)
+    reference = 2 * params  # frozen, held in bf16 under bf16 compute (trainer: load_reference)
+    # The engine's copy while it serves: vLLM bf16 weights (sleeps during the update), the HF
+    # engine's bf16 copy (stays). Counted once: the peak is the update or the rollout.
+    engine_weights = 2 * params
+    total = policy + reference + engine_weights
+    fits = "yes" if total <= 0.75 * gpu_gib * GIB else "no"
+    setting = f"ZeRO-{zero_stage}" + (f" + offload {offload}" if offload != "none" else "")
+    return (f"| {name} | {ranks} | {setting} | {policy / GIB:6.1f} | {reference / GIB:5.1f} | "
+            f"{engine_weights / GIB:5.1f} | {total / GIB:6.1f} | {fits} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    args = parser.parse_args()
+    print(f"Estimated GiB per GPU (bf16 compute, {args.gpu_gib:.0f} GiB cards; 'fits' keeps 25% for activations and KV cache)")
+    print("| model | GPUs | DeepSpeed | policy states | reference | engine weights | total | fits |")
+    print("|---|---|---|---|---|---|---|---|")
+    settings = [(1, 2, "none"), (1, 3, "optimizer"), (1, 3, "all"), (8, 2, "none"), (8, 3, "none"), (8, 3, "optimizer")]
+    for name, params in MODELS.items():
+        for ranks, stage, offload in settings:
+            print(row(name, params, ranks, stage, offload, args.gpu_gib))
+
+
+if __name__ == "__main__":
+    main()

@@ -100,20 +100,18 @@ def test_masked_whiten_count_below_two_has_no_nan():
     assert not out.isnan().any()
 
 
-def _local_stats(fn, *args):
-    """What `fn` hands to reduce_sum on this rank (captured with an identity reduce)."""
-    seen = []
-    fn(*args, reduce_sum=lambda t: seen.append(t.clone()) or t)
-    return seen[0]
-
-
 def test_masked_whiten_two_fake_ranks_equal_whitening_the_concatenation():
     x0, m0 = T([[1.0, 2.0], [3.0, 0.0]]), T([[1.0, 1.0], [1.0, 0.0]])
     x1, m1 = T([[4.0, 5.0, 6.0]]), T([[1.0, 1.0, 0.0]])
-    stats0, stats1 = _local_stats(masked_whiten, x0, m0), _local_stats(masked_whiten, x1, m1)
-    out0 = masked_whiten(x0, m0, reduce_sum=lambda t: t + stats1)  # rank 0 receives rank 1's sums
-    out1 = masked_whiten(x1, m1, reduce_sum=lambda t: t + stats0)
-    # global valid values 1..5: mean 3, Bessel var = (4 + 1 + 0 + 1 + 4) / 4 = 2.5
+    # Two reductions per whitening: (count, sum), then the squared deviations from the global
+    # mean. Global valid values 1..5: mean 3, Bessel var = (4 + 1 + 0 + 1 + 4) / 4 = 2.5.
+    # Rank 0 holds 1, 2, 3 (count 3, sum 6, deviations 4 + 1 + 0); rank 1 holds 4, 5 (2, 9, 1 + 4).
+    def peer(*contributions):
+        sent = iter(contributions)  # what the other rank adds to each reduction, in order
+        return lambda t: t + T(next(sent))
+
+    out0 = masked_whiten(x0, m0, reduce_sum=peer([2.0, 9.0], [5.0]))
+    out1 = masked_whiten(x1, m1, reduce_sum=peer([3.0, 6.0], [5.0]))
     assert_close(out0, (x0 - 3) / math.sqrt(2.5 + 1e-8) * m0)
     assert_close(out1, (x1 - 3) / math.sqrt(2.5 + 1e-8) * m1)
     # and the same as whitening both ranks' valid values in one batch

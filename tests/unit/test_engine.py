@@ -66,3 +66,25 @@ def test_weight_sync_changes_generation(tiny_text, addition_data):
     assert after != before
     for (name, synced), (_, source) in zip(engine.model.named_parameters(), trained.named_parameters()):
         assert torch.equal(synced, source), name
+
+
+def test_checkpoint_generation_config_does_not_change_sampling(tiny_text, addition_data, tmp_path):
+    # Qwen2.5 Instruct checkpoints ship generation_config.json with repetition_penalty 1.05,
+    # top_k 20, ...: transformers would fill every field we leave unset from it, so the engine
+    # would sample from a distribution the trainer's logprobs do not describe.
+    import json
+    import shutil
+
+    shipped = tmp_path / "with_generation_config"
+    shutil.copytree(tiny_text, shipped)
+    (shipped / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 3.0, "top_k": 2, "no_repeat_ngram_size": 1, "min_new_tokens": 8}))
+    rows = load_rows(addition_data / "test.jsonl")[:3]
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0)
+    samples = {}
+    for path in (tiny_text, str(shipped)):
+        engine, encoder = make_engine(path)
+        prompts = [encoder.encode(r, i) for i, r in enumerate(rows)]
+        torch.manual_seed(0)
+        samples[path] = [r.response_ids for r in engine.generate(prompts, params)]
+    assert samples[str(shipped)] == samples[tiny_text]

@@ -11,41 +11,58 @@ ADVANTAGES = Registry("advantage estimator")
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 
 
+# A group whose rewards spread less than this (relative to their size) holds equal rewards
+# computed along different float paths (1.0 + 0.1 vs 0.1 + 1.0): no signal, only rounding.
+ROUNDING_SPREAD = 1e-6
+
+
 def group_mean_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and Bessel-corrected std of its group's rewards. [N], [N]."""
+    """Per-sample mean and Bessel-corrected std of its group's rewards, in float64. [N], [N].
+
+    float64 makes the mean of equal float32 rewards exactly that reward (sums of float32
+    values are exact in float64), so an all-equal group centres to exactly 0."""
+    rewards = rewards.double()
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, rewards)
     means = sums / counts
-    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
+    sq = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
     # Bessel correction (torch default); a group of one has no spread: std 0.
     stds = torch.sqrt(sq / (counts - 1).clamp(min=1))
     return means[inverse], stds[inverse]
+
+
+def centred_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_i - mean_g, std_g) in float64, with groups whose spread is rounding noise set to
+    exactly 0 (see ROUNDING_SPREAD). [N], [N]."""
+    mean, std = group_mean_std(rewards, group_ids)
+    centred = rewards.double() - mean
+    noise = std <= ROUNDING_SPREAD * mean.abs().clamp(min=1.0)
+    return torch.where(noise, torch.zeros_like(centred), centred), std
 
 
 @ADVANTAGES.register("grpo")
 def grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps); scale_by_std=False gives Dr.GRPO's r_i - mean_g. [N]."""
-    mean, std = group_mean_std(rewards, group_ids)
-    centred = rewards - mean
-    return centred / (std + eps) if scale_by_std else centred
+    """A_i = (r_i - mean_g) / (std_g + eps); scale_by_std=False gives Dr.GRPO's r_i - mean_g. [N].
+    An all-equal group (or one whose spread is rounding noise) gives exactly 0."""
+    centred, std = centred_rewards(rewards, group_ids)
+    return (centred / (std + eps) if scale_by_std else centred).to(rewards.dtype)
 
 
 @ADVANTAGES.register("rloo")
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_g) (leave-one-out baseline). [N]."""
-    mean, _ = group_mean_std(rewards, group_ids)
+    centred, _ = centred_rewards(rewards, group_ids)
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    size = counts[inverse].to(rewards.dtype)
-    return (rewards - mean) * size / (size - 1).clamp(min=1.0)
+    size = counts[inverse].double()
+    return (centred * size / (size - 1).clamp(min=1.0)).to(rewards.dtype)
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean_g (no std scaling here: the batch whitening that follows scales). [N]."""
-    mean, _ = group_mean_std(rewards, group_ids)
-    return rewards - mean
+    return centred_rewards(rewards, group_ids)[0].to(rewards.dtype)
 
 
 # Token-level estimators consume per-token rewards [N, R] rather than one score per response.
@@ -113,12 +130,14 @@ def masked_whiten(
     """(x - mu) * rsqrt(var + eps) over the valid entries of the global batch. [N, R].
 
     `reduce_sum` sums a tensor over data-parallel ranks, so every rank whitens with the same
-    statistics; var uses Bessel's correction.
+    statistics; var uses Bessel's correction. Two passes (mean, then squared deviations from
+    it): the one-pass E[x^2] - mean^2 cancels catastrophically when the mean is large.
     """
     mask = mask.to(x.dtype)
-    count, total, squares = masked_moments(x, mask, reduce_sum)
+    count, total = reduce_sum(torch.stack([mask.sum(), (x * mask).sum()])).tolist()
     if count < 2:
         return x * mask  # one value has no spread to normalise by
     mean = total / count
-    var = (squares - count * mean * mean) / (count - 1)
-    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + eps, dtype=x.dtype)) * mask
+    squared_deviations = float(reduce_sum(((x - mean) ** 2 * mask).sum().reshape(1)))
+    var = squared_deviations / (count - 1)
+    return (x - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=x.dtype)) * mask

@@ -8,9 +8,18 @@ import torch
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) - sum softmax(z) * z over the last dim. logits [..., V] -> [...]."""
+    """H = logsumexp(z) - sum softmax(z) * z over the last dim. logits [..., V] -> [...].
+
+    Computed on z' = z - max(z) (H does not change under a shift), with logsumexp(z') =
+    log1p(sum of exp(z') over all but one maximal entry): for a confident token both terms are
+    then small numbers known to full relative precision, instead of two large ones whose
+    difference is the tiny entropy (or a log(1 + tiny) rounded in fp32)."""
     logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    top = logits.max(dim=-1, keepdim=True)
+    shifted = logits - top.values.detach()  # [..., V] <= 0, 0 at the max
+    exps = torch.exp(shifted)
+    rest = exps.scatter(-1, top.indices, 0.0).sum(-1)  # [...] every term but one max (which is 1)
+    return torch.log1p(rest) - (exps * shifted).sum(-1) / (1.0 + rest)
 
 
 def entropy_threshold(valid_entropies: torch.Tensor, ratio: float) -> torch.Tensor:

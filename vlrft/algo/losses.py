@@ -26,12 +26,16 @@ def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
 
     The value of s_t is the sequence ratio exp(mean delta) on every token; its gradient is that
     of logp_t scaled by s, so the update equals the sequence-level GSPO gradient.
+    Past the +-20 clamp the sequence objective has no gradient (the clamp is flat there), so
+    neither has the token form: the gradient path is cut for those sequences, as PPO's clamp
+    cuts it per token.
     """
     mask = mask.to(logp.dtype)
     delta = (logp - old_logp) * mask  # [B, L]
-    seq_log_ratio = delta.sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
-    seq_log_ratio = seq_log_ratio.clamp(-20.0, 20.0).detach().unsqueeze(-1)  # [B, 1]
-    return torch.exp(logp - logp.detach() + seq_log_ratio)  # [B, L]
+    raw = (delta.sum(-1) / mask.sum(-1).clamp(min=1.0)).detach()  # [B]
+    inside = (raw.abs() <= 20.0).to(logp.dtype).unsqueeze(-1)  # [B, 1] 0 where the clamp binds
+    seq_log_ratio = raw.clamp(-20.0, 20.0).unsqueeze(-1)  # [B, 1]
+    return torch.exp(inside * (logp - logp.detach()) + seq_log_ratio)  # [B, L]
 
 
 def clipped_surrogate(

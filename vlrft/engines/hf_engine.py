@@ -29,6 +29,10 @@ class HFEngine:
         # never serves generation. It holds and decodes in the trainer's compute dtype (an
         # inference copy needs no fp32 master: half the memory under bf16).
         self.model = load_model(model_path, compute_dtype=compute_dtype, weights_dtype=compute_dtype).eval().to(device())
+        # transformers fills every generation field a call leaves unset from the checkpoint's
+        # generation_config.json (Qwen2.5 Instruct ships repetition_penalty 1.05, top_k 20):
+        # start from library defaults so only the fields `_generation_config` sets can act.
+        self.model.generation_config = GenerationConfig()
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.banned_ids = banned_ids

@@ -147,6 +147,10 @@ class FastExperienceMaker:
                 token_terms = token_terms - s.kl.coef() * kl
             seq_kl, count = all_reduce_sum(torch.tensor([(kl * mask).sum().item(), float(len(rollouts))])).tolist()
             metrics |= {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
+        # Responses out of the loss (mask_truncated) are out of the advantage statistics too
+        # (batch whitening, GAE): they get zero advantages and never shift anyone else's.
+        in_loss = torch.tensor([not (s.mask_truncated and r.truncated) for r in rollouts], dtype=torch.float32)  # [N]
+        estimated = mask * in_loss[:, None]  # [N, R]
         values = None
         if self.critic is not None:
             values = pad_rows(per_token["values"], width)  # [N, R] critic outputs
@@ -156,14 +160,14 @@ class FastExperienceMaker:
             s.advantages,
             scores,
             torch.tensor([r.group_id for r in rollouts]),
-            mask,
+            estimated,
             token_terms,
             values,
             all_reduce_sum,
         )
         if returns is not None and self.return_stats is not None:
-            self.return_stats.update(returns, mask, all_reduce_sum)
-            returns = self.return_stats.normalize(returns) * mask  # the critic's target space
+            self.return_stats.update(returns, estimated, all_reduce_sum)
+            returns = self.return_stats.normalize(returns) * estimated  # the critic's target space
         for i, e in enumerate(experiences):
             n = len(e.rollout.response_ids)
             e.old_logprobs = per_token["old"][i]
@@ -173,7 +177,7 @@ class FastExperienceMaker:
             if self.critic is not None:
                 e.values = per_token["values"][i]
                 e.returns = returns[i, :n].clone()
-            e.in_loss = e.in_loss and not (s.mask_truncated and e.rollout.truncated)
+            e.in_loss = e.in_loss and bool(in_loss[i])
         return experiences, metrics
 
     def _drop_bad_samples(self, experiences: list[Experience]) -> tuple[list[Experience], int]:

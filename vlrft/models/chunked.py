@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from vlrft.algo.entropy import token_entropy
+
 LOGIT_CHUNK_TOKENS = 1024  # 1024 x 150k fp32 logits = 0.6 GB: bounded whatever the batch
 
 
@@ -18,8 +20,7 @@ def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Mod
     logits = head(hidden).float() / temperature  # [c, V] this chunk only
     lse = torch.logsumexp(logits, dim=-1)  # [c]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [c]
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [c]
-    return logp, entropy
+    return logp, token_entropy(logits)  # [c], [c]
 
 
 def chunked_token_stats(

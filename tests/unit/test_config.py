@@ -1,6 +1,7 @@
 import pytest
 
-from vlrft.config import ConfigError, check_world_size, load_config
+from vlrft.config import ConfigError, load_config
+from vlrft.config_checks import check_world_size
 
 
 def write(tmp_path, text):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import vlrft
-from vlrft.config import ConfigError, check_world_size, load_config
+from vlrft.config import ConfigError, load_config
+from vlrft.config_checks import check_world_size
 from vlrft.distributed import (
     all_gather_1d,
     all_gather_objects,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterator
 
 import deepspeed
 import torch
+from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
 from vlrft.distributed import barrier, rank
 
@@ -43,21 +43,25 @@ class DeepSpeedBackend:
         zero_stage: int,
         lr_schedule: str = "constant",
         total_optimizer_steps: int = 1,
+        warmup_steps: int = 0,
         offload: str = "none",
         bf16_weights: bool = False,
     ):
         config = deepspeed_config(zero_stage, grad_clip, offload, bf16_weights)
         params = [p for p in model.parameters() if p.requires_grad]
-        factor = lr_factor(lr_schedule, total_optimizer_steps)
+
+        def schedule(opt):
+            return lr_scheduler(opt, lr_schedule, warmup_steps, total_optimizer_steps)
+
         if offload == "none":
             optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+            scheduler = schedule(optimizer)
         else:
             # The optimizer steps on the CPU: DeepSpeed builds its vectorised CPU AdamW from the
             # config (torch's AdamW there would be several times slower).
             config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
             optimizer = None
-            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
+            scheduler = schedule
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
@@ -176,11 +180,14 @@ def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weigh
     return config
 
 
-def lr_factor(schedule: str, total_steps: int):
-    """Multiplier of the base lr after `step` optimizer steps."""
+def lr_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):
+    """transformers' schedules, counted in optimizer steps: a linear warm-up from 0 over
+    `warmup_steps`, then `constant`, or `cosine`: half a cosine down to 0.1 x lr, reached at the
+    last of `total_steps` steps (the last updates are small, which steadies the final policy)."""
     if schedule == "constant":
-        return lambda step: 1.0
+        return get_constant_schedule_with_warmup(optimizer, warmup_steps)
     if schedule == "cosine":
-        # Half a cosine from 1 to 0.1: the last updates are small, which steadies the final policy.
-        return lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / max(total_steps - 1, 1), 1.0)))
+        # The cosine spans the steps after warm-up up to the last one (step total - 1).
+        last = max(total_steps - 1, warmup_steps + 1)
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, last, min_lr_rate=0.1)
     raise ValueError(f"unknown lr schedule '{schedule}'")

@@ -39,6 +39,18 @@ class ReplayBuffer:
         return len(self.items)
 
     def micro_batches(self, shuffle: bool) -> list[MicroBatch]:
+        return self.mini_batches(1, shuffle)[0]
+
+    def mini_batches(self, count: int, shuffle: bool) -> list[list[MicroBatch]]:
+        """The buffer in `count` mini-batches (one optimizer step each), each as packed
+        micro-batches: one shuffle, then consecutive near-equal runs of samples. A mini-batch
+        left without samples (fewer samples than `count` on this rank) is one dummy
+        micro-batch, so this rank still joins every step's collectives."""
         order = torch.randperm(len(self.items), generator=self.generator).tolist() if shuffle else range(len(self))
         samples = [self.items[i] for i in order]
-        return [pack(group) for group in split_by_token_budget(samples, self.micro_batch_tokens)]
+        bounds = [round(k * len(samples) / count) for k in range(count + 1)]
+        out = []
+        for start, end in zip(bounds, bounds[1:]):
+            groups = split_by_token_budget(samples[start:end], self.micro_batch_tokens)
+            out.append([pack(g) for g in groups] or [pack(self.items[:1], dummy=True)])
+        return out

@@ -1,4 +1,5 @@
-"""One critic update: the clipped value loss over the replay buffer, one step per epoch."""
+"""One critic update: the clipped value loss over the replay buffer, `train.mini_batches`
+optimizer steps per epoch (the policy's split)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from vlrft.algo.value import value_loss
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config
 from vlrft.experience.collate import response_rows
-from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.value_model import token_values
-from vlrft.distributed import all_reduce_max_int, all_reduce_sum, device
+from vlrft.distributed import all_reduce_sum, device
 from vlrft.trainer.update import (
     backward_guarded,
-    drop_bad_micro_batches,
     loss_mask,
     sample_rows,
+    step_micro_batches,
     step_normalisers,
     step_or_skip,
 )
@@ -25,10 +25,9 @@ from vlrft.trainer.update import (
 def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, image_check=None) -> dict[str, float]:
     metrics: dict[str, float] = {}
     skipped_steps = 0  # optimizer steps skipped for a non-finite value loss
-    for _ in range(cfg.train.ppo_epochs):
-        batches = buffer.micro_batches(shuffle=True)
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
-        batches, _ = drop_bad_micro_batches(batches, image_check)
+    plan = [mb for _ in range(cfg.train.ppo_epochs) for mb in buffer.mini_batches(cfg.train.mini_batches, shuffle=True)]
+    for batches in plan:
+        batches, _ = step_micro_batches(batches, image_check)
         if not batches:
             continue
         total_tokens, total_seqs = step_normalisers(batches)

@@ -15,7 +15,8 @@ import torch
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
-from vlrft.config import Config, ConfigError, check_world_size, to_dict
+from vlrft.config import Config, ConfigError, optimizer_steps_of_run, to_dict
+from vlrft.config_checks import check_world_size
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
@@ -118,7 +119,8 @@ class SPMDTrainer:
                 grad_clip=cfg.train.grad_clip,
                 zero_stage=cfg.train.zero_stage,
                 lr_schedule=cfg.train.lr_schedule,
-                total_optimizer_steps=cfg.train.total_steps * cfg.train.ppo_epochs,
+                total_optimizer_steps=optimizer_steps_of_run(cfg),
+                warmup_steps=cfg.train.warmup_steps,
                 offload=cfg.train.offload,
                 # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
                 bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,

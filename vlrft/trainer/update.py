@@ -1,4 +1,5 @@
-"""One policy update: epochs over the replay buffer, micro-batch accumulation, one step per epoch."""
+"""One policy update: epochs over the replay buffer, each split into `train.mini_batches`
+optimizer steps, with micro-batch accumulation inside each step."""
 
 from __future__ import annotations
 
@@ -124,33 +125,46 @@ def policy_update(
     ptx: list[Rollout] = (),
     image_check=None,
 ) -> dict[str, float]:
-    """`ppo_epochs` optimizer steps over the buffer. `kl_coef` is the controller's current beta
-    (used when the KL is in the loss); `ptx` are this rank's supervised examples for the step;
-    `image_check` (an ImageTokenCheck) guards each micro-batch before its forward."""
+    """`ppo_epochs` passes over the buffer, `train.mini_batches` optimizer steps each. `kl_coef`
+    is the controller's current beta (used when the KL is in the loss); `ptx` are this rank's
+    supervised examples for the step (in every optimizer step); `image_check` (an
+    ImageTokenCheck) guards each micro-batch before its forward. Step metrics are the last
+    optimizer step's."""
     algo = cfg.algo
     metrics: dict[str, float] = {}
-    epochs_run = skipped = nonfinite = 0
+    epochs_run = skipped = nonfinite = steps = 0
     for epoch in range(cfg.train.ppo_epochs):
-        batches = buffer.micro_batches(shuffle=True)
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
-        batches, bad = drop_bad_micro_batches(batches, image_check)
-        skipped += bad
-        if not batches:
-            continue
+        mini_batches = []
+        for batches in buffer.mini_batches(cfg.train.mini_batches, shuffle=True):
+            batches, bad = step_micro_batches(batches, image_check)
+            skipped += bad
+            mini_batches.append(batches)
         if epoch > 0 and (algo.early_stop_ratio > 0 or algo.target_kl > 0):
-            ratio, kl = policy_drift(backend.model, batches, cfg.rollout.temperature)
+            ratio, kl = policy_drift(backend.model, [b for mb in mini_batches for b in mb], cfg.rollout.temperature)
             metrics |= {"train/drift_ratio": ratio, "train/drift_kl": kl}
             if should_stop_early(ratio, kl, algo.early_stop_ratio, algo.target_kl):
                 break
-        extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)
-        step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
-        nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
-        metrics |= step_metrics
-        epochs_run += 1
+        for batches in mini_batches:
+            if not batches:
+                continue
+            extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)
+            step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
+            nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
+            metrics |= step_metrics
+            steps += 1
+        epochs_run += any(mini_batches)
     metrics["train/epochs_run"] = float(epochs_run)
+    metrics["train/optimizer_steps"] = float(steps)
     metrics["train/skipped_micro_batches"] = float(skipped)
     metrics["train/skipped_nonfinite_steps"] = float(nonfinite)
     return metrics
+
+
+def step_micro_batches(batches: list[MicroBatch], image_check) -> tuple[list[MicroBatch], int]:
+    """One optimizer step's micro-batches, the same count on every rank (dummy repeats), minus
+    those that would crash the forward on some rank. Returns them and how many were dropped."""
+    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
+    return drop_bad_micro_batches(batches, image_check)
 
 
 def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference) -> dict[str, float]:

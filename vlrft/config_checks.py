@@ -1,0 +1,198 @@
+"""Cross-field config checks: what a single field's type cannot express. Each failure is a
+ConfigError whose one-line message names the key (config.load_config runs them)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from vlrft.config import (
+    LR_SCHEDULES,
+    OFFLOAD_CHOICES,
+    ON_BAD_SAMPLE,
+    WANDB_MODES,
+    Config,
+    ConfigError,
+    ModelConfig,
+    RewardConfig,
+    component_name,
+    optimizer_steps_of_run,
+)
+
+
+def _validate_model(model: ModelConfig, zero_stage: int) -> None:
+    from vlrft.models.attention import precision_config_problem
+
+    problem = precision_config_problem(model.attention, model.compute_dtype, zero_stage)
+    if problem:
+        raise ConfigError(problem)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's type cannot express."""
+    from vlrft.algo import ADVANTAGES, POLICY_LOSSES
+    from vlrft.engines import ENGINES
+
+    if not cfg.model.path:
+        raise ConfigError("config key 'model.path' is required (an HF checkpoint directory)")
+    if not cfg.data.train_path:
+        raise ConfigError("config key 'data.train_path' is required (a JSONL file)")
+    ADVANTAGES.check(cfg.algo.advantage, "algo.advantage")
+    POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
+    _validate_algo(cfg)
+    _validate_model(cfg.model, cfg.train.zero_stage)
+    ENGINES.check(cfg.rollout.engine, "rollout.engine")
+    if cfg.rollout.engine_tp_size < 1:
+        raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")
+    if cfg.rollout.engine != "vllm" and cfg.rollout.engine_tp_size != 1:
+        raise ConfigError("config key 'rollout.engine_tp_size' applies to rollout.engine 'vllm' only")
+    if cfg.logging.wandb not in WANDB_MODES:
+        raise ConfigError(f"config key 'logging.wandb' is '{cfg.logging.wandb}'; valid: {', '.join(WANDB_MODES)}")
+    # Checked here, before models load, rather than when rank 0 builds the sinks.
+    needed = {"logging.wandb": ("wandb", "pip install 'vlrft[wandb]'")} if cfg.logging.wandb != "disabled" else {}
+    if cfg.logging.tensorboard:
+        needed["logging.tensorboard"] = ("tensorboard", "pip install 'vlrft[tensorboard]'")
+    for key, (package, install) in needed.items():
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"config key '{key}' needs the {package} package, which is not installed: {install}")
+    if cfg.checkpoint.save_steps < 0:
+        raise ConfigError(f"config key 'checkpoint.save_steps' must be >= 0 (0 = only on a signal), got {cfg.checkpoint.save_steps}")
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"config key 'checkpoint.keep_last' must be >= 1, got {cfg.checkpoint.keep_last}")
+    if cfg.trajectory.save_every < 0:
+        raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
+    if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
+        raise ConfigError(f"config key 'rollout.vllm_memory_fraction' must be in (0, 1], got {cfg.rollout.vllm_memory_fraction}")
+    if cfg.train.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
+    if cfg.train.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config key 'train.zero_stage' must be 0, 1, 2 or 3, got {cfg.train.zero_stage}")
+    if cfg.train.offload not in OFFLOAD_CHOICES:
+        raise ConfigError(f"config key 'train.offload' is '{cfg.train.offload}'; valid: {', '.join(OFFLOAD_CHOICES)}")
+    if cfg.train.offload == "optimizer" and cfg.train.zero_stage == 0:
+        raise ConfigError("config key 'train.offload' optimizer needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
+    if cfg.train.offload == "all" and cfg.train.zero_stage != 3:
+        raise ConfigError("config key 'train.offload' all (parameters too) needs train.zero_stage 3")
+    positive = {
+        "rollout.rollout_prompts": cfg.rollout.rollout_prompts,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "train.total_steps": cfg.train.total_steps,
+        "train.ppo_epochs": cfg.train.ppo_epochs,
+        "train.mini_batches": cfg.train.mini_batches,
+        "train.micro_batch_tokens": cfg.train.micro_batch_tokens,
+        "data.max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "data.ptx_rows_per_step": cfg.data.ptx_rows_per_step,
+        "rollout.max_sampling_rounds": cfg.rollout.max_sampling_rounds,
+        "algo.kl.horizon": cfg.algo.kl.horizon,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+    optimizer_steps = optimizer_steps_of_run(cfg)
+    if not 0 <= cfg.train.warmup_steps < optimizer_steps:
+        raise ConfigError(
+            f"config key 'train.warmup_steps' must be in [0, {optimizer_steps}) (the run's optimizer steps: "
+            f"total_steps x ppo_epochs x mini_batches), got {cfg.train.warmup_steps}"
+        )
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
+    if cfg.data.min_pixels > cfg.data.max_pixels:
+        raise ConfigError("config key 'data.min_pixels' must be <= 'data.max_pixels'")
+    if cfg.data.on_bad_sample not in ON_BAD_SAMPLE:
+        raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
+    _validate_rewards(cfg.reward)
+
+
+def _validate_rewards(reward: RewardConfig) -> None:
+    from vlrft.rewards.loading import resolve_recipe  # imports the recipes: unknown names fail here
+
+    for source, mix in {"default": reward.default, **reward.by_data_source}.items():
+        if not mix:
+            raise ConfigError(f"reward mix '{source}' is empty; give at least one recipe")
+        names = set()
+        for spec in mix:
+            if not spec.recipe:
+                raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
+            resolve_recipe(spec.recipe)
+            if spec.timeout_s <= 0:
+                raise ConfigError(f"reward recipe '{spec.recipe}' in mix '{source}': timeout_s must be > 0")
+            name = component_name(spec)
+            if name in names:
+                raise ConfigError(f"reward mix '{source}' uses component name '{name}' twice; give each a distinct 'name'")
+            names.add(name)
+    resolve_recipe(reward.accuracy_recipe)
+
+
+def _validate_algo(cfg: Config) -> None:
+    from vlrft.algo import GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+    from vlrft.algo.kl import FULL_KL
+    from vlrft.algo.value import VALUE_NORMS
+
+    algo, kl, critic, rollout = cfg.algo, cfg.algo.kl, cfg.critic, cfg.rollout
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(algo.loss_agg_mode in LOSS_AGG_MODES,
+         f"config key 'algo.loss_agg_mode' is '{algo.loss_agg_mode}'; valid: {', '.join(LOSS_AGG_MODES)}")
+    need(algo.advantage not in GROUP_ESTIMATORS or rollout.n_samples_per_prompt >= 2,
+         f"algo.advantage '{algo.advantage}' compares responses within a group: "
+         "rollout.n_samples_per_prompt must be >= 2")
+    need(not rollout.dynamic_sampling or rollout.n_samples_per_prompt >= 2,
+         "rollout.dynamic_sampling drops groups whose rewards are all equal: rollout.n_samples_per_prompt must be >= 2")
+    need(rollout.generation_size == 0 or rollout.generation_size >= rollout.n_samples_per_prompt,
+         f"config key 'rollout.generation_size' ({rollout.generation_size}) must be 0 or >= "
+         f"rollout.n_samples_per_prompt ({rollout.n_samples_per_prompt})")
+    need(0 <= algo.high_entropy_token_ratio <= 1,
+         f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {algo.high_entropy_token_ratio}")
+    for key in ("reward_clip", "zero_reward_patience", "advantage_clip", "early_stop_ratio", "target_kl",
+                "ptx_coef", "moe_aux_coef"):
+        need(getattr(algo, key) >= 0, f"config key 'algo.{key}' must be >= 0, got {getattr(algo, key)}")
+    need(algo.dual_clip_c == 0 or algo.dual_clip_c > 1,
+         f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {algo.dual_clip_c}")
+    need(algo.scale_by_std or algo.advantage == "grpo",
+         f"config key 'algo.scale_by_std: false' applies to grpo only, not '{algo.advantage}'")
+    need(algo.whiten_advantages or algo.advantage == "gae",
+         f"config key 'algo.whiten_advantages: false' applies to gae only, not '{algo.advantage}'")
+    need(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, "config keys 'algo.gamma' and 'algo.lam' must be in [0, 1]")
+    # KL
+    valid_kl = [*KL_ESTIMATORS.names(), FULL_KL, "auto"]
+    need(kl.estimator in valid_kl,
+         f"config key 'algo.kl.estimator': unknown KL estimator '{kl.estimator}'; valid: {', '.join(valid_kl)}")
+    need(kl.placement in ("loss", "reward"), f"config key 'algo.kl.placement' must be loss or reward, got '{kl.placement}'")
+    need(kl.coef >= 0 and kl.target >= 0, "config keys 'algo.kl.coef' and 'algo.kl.target' must be >= 0")
+    need(0 <= kl.ref_ema_eta <= 1, f"config key 'algo.kl.ref_ema_eta' must be in [0, 1], got {kl.ref_ema_eta}")
+    need(kl.coef > 0 or (kl.target == 0 and kl.ref_ema_eta == 0),
+         "config keys 'algo.kl.target' and 'algo.kl.ref_ema_eta' need a reference model: set algo.kl.coef > 0")
+    # Critic
+    need(critic.enabled == (algo.advantage == "gae"),
+         "algo.advantage 'gae' needs a critic (critic.enabled: true)" if algo.advantage == "gae"
+         else f"critic.enabled: true is only used by algo.advantage 'gae', not '{algo.advantage}'")
+    need(critic.value_norm in VALUE_NORMS,
+         f"config key 'critic.value_norm' is '{critic.value_norm}'; valid: {', '.join(VALUE_NORMS)}")
+    need(0 < critic.value_norm_beta < 1, "config key 'critic.value_norm_beta' must be in (0, 1)")
+    need(critic.freeze_actor_steps >= 0 and critic.value_clip >= 0,
+         "config keys 'critic.freeze_actor_steps' and 'critic.value_clip' must be >= 0")
+    need(0 <= cfg.train.ema_beta < 1, f"config key 'train.ema_beta' must be in [0, 1), got {cfg.train.ema_beta}")
+    need((algo.ptx_coef > 0) == bool(cfg.data.ptx_path),
+         "config keys 'algo.ptx_coef' (> 0) and 'data.ptx_path' go together: set both or neither")
+
+
+def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> None:
+    """Checks that need the launch's shape (at start, before models load)."""
+    if cfg.rollout.rollout_prompts % world_size:
+        raise ConfigError(
+            f"rollout.rollout_prompts ({cfg.rollout.rollout_prompts}) must be divisible by the world size ({world_size})"
+        )
+    tp = cfg.rollout.engine_tp_size
+    if world_size % tp:
+        raise ConfigError(f"config key 'rollout.engine_tp_size' ({tp}) must divide the number of ranks ({world_size})")
+    if ranks_per_node is not None and ranks_per_node % tp:
+        # Groups are consecutive ranks and torchrun numbers ranks node by node: a group fits in
+        # a node exactly when the size divides the ranks per node.
+        raise ConfigError(
+            f"config key 'rollout.engine_tp_size' ({tp}) must divide the ranks per node ({ranks_per_node}): "
+            "a tensor-parallel engine group cannot span nodes"
+        )

@@ -85,3 +85,7 @@ def math_accuracy(completions: list[str], samples: list[dict]) -> list[float | N
         ok = bool(pred) and verify(gold, pred, timeout_seconds=None)
         scores.append(1.0 if ok else 0.0)
     return scores
+
+
+# Checked when a config naming this recipe loads (vlrft/config_checks.py), not on every call.
+math_accuracy.requires = {"math_verify": _INSTALL_HINT}

@@ -114,14 +114,22 @@ def _validate_rewards(reward: RewardConfig) -> None:
         for spec in mix:
             if not spec.recipe:
                 raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
-            resolve_recipe(spec.recipe)
+            missing_package(spec.recipe, resolve_recipe(spec.recipe))
             if spec.timeout_s <= 0:
                 raise ConfigError(f"reward recipe '{spec.recipe}' in mix '{source}': timeout_s must be > 0")
             name = component_name(spec)
             if name in names:
                 raise ConfigError(f"reward mix '{source}' uses component name '{name}' twice; give each a distinct 'name'")
             names.add(name)
-    resolve_recipe(reward.accuracy_recipe)
+    missing_package(reward.accuracy_recipe, resolve_recipe(reward.accuracy_recipe))
+
+
+def missing_package(name: str, recipe) -> None:
+    """A recipe may declare the modules it imports at call time as `recipe.requires = {module:
+    install hint}`; a missing one fails here, at config load, instead of on every call."""
+    for module, hint in getattr(recipe, "requires", {}).items():
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"reward recipe '{name}' needs the {module} module, which is not installed: {hint}")
 
 
 def _validate_algo(cfg: Config) -> None:

@@ -138,7 +138,7 @@ def test_reward_scale_and_bias_change_the_update_where_they_can(setup):
     assert not torch.allclose(update_after_one_step(clipped)[0], update_after_one_step(shifted)[0])
 
 
-def test_all_zero_rewards_stop_training_after_patience(setup, tmp_path):
+def test_all_zero_rewards_stop_training_after_patience(setup, tmp_path, capsys):
     from vlrft.rewards.mix import RewardError
     from vlrft.trainer.spmd_trainer import SPMDTrainer
 
@@ -149,8 +149,11 @@ def test_all_zero_rewards_stop_training_after_patience(setup, tmp_path):
     with pytest.raises(RewardError, match="exactly 0 for 2 consecutive steps: check the reward recipes \\(broken\\)"):
         patient.train_step()
     never = SPMDTrainer(load_config(None, overrides))
-    for _ in range(3):
+    for step in range(3):
         never.train_step()
+        out = capsys.readouterr().out
+        warning = "vlrft: warning: every reward was exactly 0 for 3 consecutive steps: check the reward recipes (broken)"
+        assert (warning in out) == (step == 2)  # the default warns instead of stopping
 
 
 GAE = ["algo.advantage=gae", "critic.enabled=true", "critic.lr=0.001"]

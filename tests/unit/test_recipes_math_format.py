@@ -146,3 +146,20 @@ def test_think_answer_format(text, strict, lenient):
 def test_answer_tag_format_unchanged():
     assert answer_tag_format(["<answer>4</answer>", " <answer>4</answer>\n", GOOD, "<answer></answer>"], [{}] * 4) == [
         1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_recipe_whose_package_is_missing_fails_at_config_load(tmp_path, monkeypatch):
+    import importlib.util
+
+    from vlrft.config import ConfigError, load_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    (tmp_path / "cfg.yaml").write_text("model: {path: m}\ndata: {train_path: d.jsonl}\n"
+                                       "reward: {default: [{recipe: math_accuracy}]}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "cfg.yaml")
+    assert str(err.value) == ("reward recipe 'math_accuracy' needs the math_verify module, which is not installed: "
+                              "math_accuracy needs math-verify: pip install 'vlrft[rewards]'")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    load_config(tmp_path / "cfg.yaml")  # installed here (the rewards extra): the same config loads

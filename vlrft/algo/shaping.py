@@ -16,6 +16,9 @@ def zero_truncated(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tens
     return torch.where(truncated, torch.zeros_like(rewards), rewards)
 
 
+ZERO_REWARD_WARN_STEPS = 3  # consecutive all-zero steps after which a run warns (always on)
+
+
 class ZeroRewardWatch:
     """Counts consecutive steps whose rewards were all exactly zero (usually a broken verifier)."""
 
@@ -27,6 +30,12 @@ class ZeroRewardWatch:
         """Record one step; True when the streak reached the patience."""
         self.streak = self.streak + 1 if all_zero else 0
         return self.patience > 0 and self.streak >= self.patience
+
+    def warn_now(self) -> bool:
+        """True once per streak, at ZERO_REWARD_WARN_STEPS steps, unless the patience stops the
+        run first."""
+        stops_first = 0 < self.patience <= ZERO_REWARD_WARN_STEPS
+        return self.streak == ZERO_REWARD_WARN_STEPS and not stops_first
 
 
 def groups_with_spread(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

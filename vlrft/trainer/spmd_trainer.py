@@ -433,11 +433,15 @@ class SPMDTrainer:
         ).tolist()
         if count == 0:  # every prompt of the step was skipped (bad input): nothing was scored
             return
-        if self.zero_reward_watch.update(all_zero=nonzero == 0):
-            raise RewardError(
-                f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
-                f"check the reward recipes ({', '.join(self.rewards.component_names())}); usually a broken verifier"
-            )
+        stop = self.zero_reward_watch.update(all_zero=nonzero == 0)
+        problem = (
+            f"every reward was exactly 0 for {self.zero_reward_watch.streak} consecutive steps: "
+            f"check the reward recipes ({', '.join(self.rewards.component_names())}); usually a broken verifier"
+        )
+        if stop:
+            raise RewardError(problem)
+        if self.zero_reward_watch.warn_now() and self.rank == 0:
+            print(f"vlrft: warning: {problem} (algo.zero_reward_patience makes this an error)", flush=True)
 
 
 def resume_decision(resume: str, out_dir: Path, rank: int) -> tuple[Path | None, int]:

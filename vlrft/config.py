@@ -97,10 +97,13 @@ class AlgoConfig:
     lam: float = 0.95  # GAE lambda
     whiten_advantages: bool = True  # gae only: whiten advantages over the global batch
     advantage_clip: float = 0.0  # clamp advantages to +-clip after estimation; 0 = off
-    policy_loss: str = "ppo"  # policy loss: ppo | gspo
+    policy_loss: str = "ppo"  # policy loss: ppo | gspo | cispo | sapo | gmpo
+    # Clip range [1 - low, 1 + high] of ppo/gspo/cispo; gmpo clips the log ratio to [-low, high].
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # > clip_eps_low = DAPO's clip-higher
-    dual_clip_c: float = 0.0  # dual-clip bound for A < 0 (0 = off, else > 1)
+    dual_clip_c: float = 0.0  # ppo/gspo: dual-clip bound for A < 0 (0 = off, else > 1)
+    sapo_tau_pos: float = 1.0  # sapo: soft-gate temperature where the advantage is positive
+    sapo_tau_neg: float = 1.05  # sapo: ... where it is negative (larger: fades faster)
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
     # Reward transform before advantages: clip((r - reward_bias) * reward_scale, +-reward_clip).

@@ -160,6 +160,12 @@ def _validate_algo(cfg: Config) -> None:
         need(getattr(algo, key) >= 0, f"config key 'algo.{key}' must be >= 0, got {getattr(algo, key)}")
     need(algo.dual_clip_c == 0 or algo.dual_clip_c > 1,
          f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {algo.dual_clip_c}")
+    need(algo.dual_clip_c == 0 or algo.policy_loss in ("ppo", "gspo"),
+         f"config key 'algo.dual_clip_c' applies to policy_loss ppo and gspo, not '{algo.policy_loss}'")
+    need(algo.sapo_tau_pos > 0 and algo.sapo_tau_neg > 0,
+         "config keys 'algo.sapo_tau_pos' and 'algo.sapo_tau_neg' must be > 0")
+    need((algo.sapo_tau_pos, algo.sapo_tau_neg) == (1.0, 1.05) or algo.policy_loss == "sapo",
+         f"config keys 'algo.sapo_tau_pos' / 'algo.sapo_tau_neg' apply to policy_loss sapo, not '{algo.policy_loss}'")
     need(algo.scale_by_std or algo.advantage == "grpo",
          f"config key 'algo.scale_by_std: false' applies to grpo only, not '{algo.advantage}'")
     need(algo.whiten_advantages or algo.advantage == "gae",

@@ -7,7 +7,7 @@ import torch
 from vlrft.algo import aggregate
 from vlrft.algo.advantages import grpo_advantages, rloo_advantages
 from vlrft.algo.kl import kl_abs, kl_k1, kl_k2, kl_k3
-from vlrft.algo.losses import policy_loss
+from vlrft.algo.losses import LossSettings, policy_loss
 
 
 def test_grpo_uses_explicit_groups_and_bessel_std():
@@ -32,14 +32,14 @@ def test_ppo_clip_loss_by_hand():
     logp = torch.tensor([0.5, -0.5, 0.0])
     old = torch.zeros(3)
     adv = torch.tensor([1.0, -1.0, 2.0])
-    loss, clipped = policy_loss("ppo", logp, old, adv, torch.ones(3), 0.2, 0.2)
+    loss, clipped = policy_loss("ppo", logp, old, adv, torch.ones(3), LossSettings(0.2, 0.2))
     # token 0: -min(1.6487*1, 1.2*1) = -1.2 ; token 1: -min(-0.6065, -0.8) = 0.8 ; token 2: -2
     torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, -2.0]))
     torch.testing.assert_close(clipped, torch.tensor([1.0, 1.0, 0.0]))
 
 
 def test_ppo_clip_higher_uses_its_own_upper_bound():
-    loss, _ = policy_loss("ppo", torch.tensor([0.5]), torch.zeros(1), torch.ones(1), torch.ones(1), 0.2, 0.28)
+    loss, _ = policy_loss("ppo", torch.tensor([0.5]), torch.zeros(1), torch.ones(1), torch.ones(1), LossSettings(0.2, 0.28))
     torch.testing.assert_close(loss, torch.tensor([-1.28]))
 
 
@@ -97,8 +97,8 @@ def test_dual_clip_caps_negative_advantage_losses():
     # A = +1 with the same ratio is untouched: -min(2.718, 1.2) = -1.2
     logp, old = torch.tensor([1.0, 1.0]), torch.zeros(2)
     adv = torch.tensor([-1.0, 1.0])
-    plain, _ = policy_loss("ppo", logp, old, adv, torch.ones(2), 0.2, 0.2)
-    dual, hit = policy_loss("ppo", logp, old, adv, torch.ones(2), 0.2, 0.2, dual_clip_c=2.0)
+    plain, _ = policy_loss("ppo", logp, old, adv, torch.ones(2), LossSettings(0.2, 0.2))
+    dual, hit = policy_loss("ppo", logp, old, adv, torch.ones(2), LossSettings(0.2, 0.2, dual_clip_c=2.0))
     torch.testing.assert_close(plain, torch.tensor([math.e, -1.2]))
     torch.testing.assert_close(dual, torch.tensor([2.0, -1.2]))
     torch.testing.assert_close(hit, torch.tensor([1.0, 1.0]))
@@ -110,8 +110,8 @@ def test_gspo_with_identical_token_deltas_equals_ppo_on_the_sequence():
     old = torch.zeros(1, 3)
     adv = torch.full((1, 3), 2.0)
     mask = torch.ones(1, 3)
-    gspo, _ = policy_loss("gspo", logp, old, adv, mask, 0.2, 0.2)
-    ppo, _ = policy_loss("ppo", logp, old, adv, mask, 0.2, 0.2)
+    gspo, _ = policy_loss("gspo", logp, old, adv, mask, LossSettings(0.2, 0.2))
+    ppo, _ = policy_loss("ppo", logp, old, adv, mask, LossSettings(0.2, 0.2))
     torch.testing.assert_close(gspo, ppo)
     torch.testing.assert_close(gspo, torch.full((1, 3), -2.0 * math.exp(0.1)))
 
@@ -123,7 +123,7 @@ def test_gspo_value_and_gradient_follow_the_sequence_ratio():
     old = torch.zeros(1, 3)
     adv = torch.ones(1, 3)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, _ = policy_loss("gspo", logp, old, adv, mask, 0.2, 0.2)
+    loss, _ = policy_loss("gspo", logp, old, adv, mask, LossSettings(0.2, 0.2))
     s = math.exp(0.05)
     torch.testing.assert_close(loss[0, :2], torch.tensor([-s, -s]))
     (loss * mask).sum().backward()
@@ -131,5 +131,5 @@ def test_gspo_value_and_gradient_follow_the_sequence_ratio():
 
 
 def test_empty_sequence_gives_finite_gspo_loss():
-    loss, _ = policy_loss("gspo", torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.zeros(1, 3), 0.2, 0.2)
+    loss, _ = policy_loss("gspo", torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.zeros(1, 3), LossSettings(0.2, 0.2))
     assert torch.isfinite(loss).all()

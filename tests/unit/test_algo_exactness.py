@@ -10,7 +10,7 @@ from vlrft.algo import aggregate
 from vlrft.algo.advantages import grpo_advantages, masked_whiten, rloo_advantages
 from vlrft.algo.entropy import token_entropy
 from vlrft.algo.estimate import AdvantageOptions, estimate_advantages
-from vlrft.algo.losses import policy_loss
+from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.models.chunked import chunked_token_stats
 
 
@@ -41,17 +41,17 @@ def test_gspo_gradient_is_zero_past_the_clamp_like_the_sequence_objective():
     old = torch.tensor([[-1.0, -2.0]])
     logp = (old + 25).requires_grad_(True)  # sequence log-ratio 25: clamped to 20
     mask = torch.ones(1, 2)
-    loss, _ = policy_loss("gspo", logp, old, torch.full((1, 2), -1.0), mask, 0.2, 0.28)
+    loss, _ = policy_loss("gspo", logp, old, torch.full((1, 2), -1.0), mask, LossSettings(0.2, 0.28))
     aggregate(loss, mask, "seq-mean-token-mean", 2.0, 1.0, 2).backward()
     assert torch.equal(logp.grad, torch.zeros(1, 2))  # was 2.4e8 per token
     # PPO with the same numbers also gives 0 (its clamp stops the gradient).
     ppo_logp = (old + 25).requires_grad_(True)
-    ppo, _ = policy_loss("ppo", ppo_logp, old, torch.full((1, 2), -1.0), mask, 0.2, 0.28)
+    ppo, _ = policy_loss("ppo", ppo_logp, old, torch.full((1, 2), -1.0), mask, LossSettings(0.2, 0.28))
     aggregate(ppo, mask, "seq-mean-token-mean", 2.0, 1.0, 2).backward()
     assert torch.equal(ppo_logp.grad, torch.zeros(1, 2))
     # Inside the clamp the token form still carries the sequence gradient: s * A / L per token.
     inside = (old + 0.1).requires_grad_(True)
-    loss, _ = policy_loss("gspo", inside, old, torch.full((1, 2), 1.0), mask, 0.2, 0.28)
+    loss, _ = policy_loss("gspo", inside, old, torch.full((1, 2), 1.0), mask, LossSettings(0.2, 0.28))
     aggregate(loss, mask, "seq-mean-token-mean", 2.0, 1.0, 2).backward()
     s = torch.exp(torch.tensor(0.1))
     torch.testing.assert_close(inside.grad, torch.full((1, 2), -float(s) / 2))
@@ -141,3 +141,64 @@ def test_an_empty_response_counts_as_a_sequence_in_seq_mean_modes():
     assert float(aggregate(loss, mask, "seq-mean-token-sum", tokens, sequences, 2)) == (2 + 4) / 2
     assert float(aggregate(loss, mask, "seq-mean-token-sum-norm", tokens, sequences, 2)) == (2 + 4) / (2 * 2)
     assert float(aggregate(loss, mask, "token-mean", tokens, sequences, 2)) == (2 + 4) / 2
+
+
+# ------------------------------------------------------------------ cispo, sapo, gmpo by hand
+
+
+def loss_and_grad(name, logp_values, old_values, advantages, settings, mode="token-mean"):
+    """(per-token loss, d aggregated loss / d logp) of one [1, L] sequence."""
+    logp = torch.tensor([logp_values], requires_grad=True)
+    old, adv, mask = torch.tensor([old_values]), torch.tensor([advantages]), torch.ones(1, len(logp_values))
+    loss, hit = policy_loss(name, logp, old, adv, mask, settings)
+    aggregate(loss, mask, mode, float(mask.sum()), 1.0, len(logp_values)).backward()
+    return loss.detach()[0], logp.grad[0], hit[0]
+
+
+def test_cispo_value_and_gradient_by_hand():
+    import math
+
+    # ratios e^0.5 = 1.649 (clipped to 1.28), e^-0.1 = 0.905 (inside), e^-1 = 0.368 (clipped to 0.8)
+    logp, old, adv = [-0.5, -1.1, -2.0], [-1.0, -1.0, -1.0], [2.0, -1.0, 1.0]
+    loss, grad, hit = loss_and_grad("cispo", logp, old, adv, LossSettings(0.2, 0.28))
+    weights = [1.28, math.exp(-0.1), 0.8]
+    torch.testing.assert_close(loss, torch.tensor([-w * a * lp for w, a, lp in zip(weights, adv, logp)]))
+    # token-mean over 3 tokens: d/dlogp = -w A / 3, the weight detached (no ratio term)
+    torch.testing.assert_close(grad, torch.tensor([-w * a / 3 for w, a in zip(weights, adv)]))
+    assert hit.tolist() == [1.0, 0.0, 1.0]  # clipped tokens still carry gradient (unlike PPO)
+
+
+def test_sapo_value_and_gradient_by_hand():
+    import math
+
+    logp, old, adv = [0.3, -0.2], [0.0, 0.0], [1.5, -2.0]
+    loss, grad, hit = loss_and_grad("sapo", logp, old, adv, LossSettings(sapo_tau_pos=1.0, sapo_tau_neg=2.0))
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    r1, r2 = math.exp(0.3), math.exp(-0.2)
+    expected = [-(4 / 1.0) * sig(1.0 * (r1 - 1)) * 1.5, -(4 / 2.0) * sig(2.0 * (r2 - 1)) * -2.0]
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    # d/dlogp of -(4/tau) sig(tau (r - 1)) A = -4 sig (1 - sig) r A; token-mean over 2 tokens
+    dgate = [4 * sig(1.0 * (r1 - 1)) * (1 - sig(1.0 * (r1 - 1))) * r1, 4 * sig(2.0 * (r2 - 1)) * (1 - sig(2.0 * (r2 - 1))) * r2]
+    torch.testing.assert_close(grad, torch.tensor([-dgate[0] * 1.5 / 2, -dgate[1] * -2.0 / 2]))
+    # On-policy (rho = 1) the gate's gradient is PPO's: -A per token.
+    _, on_policy, _ = loss_and_grad("sapo", [0.0], [0.0], [3.0], LossSettings())
+    torch.testing.assert_close(on_policy, torch.tensor([-3.0]))
+    assert hit.tolist() == [0.0, 0.0]
+
+
+def test_gmpo_value_and_gradient_by_hand():
+    import math
+
+    # deltas 0.1, 0.6 (above eps_high 0.4), -0.2 with A > 0: the clip takes min(delta, clip) =
+    # 0.1, 0.4, -0.2; sequence ratio exp(mean) = exp(0.1); loss -A * ratio on every token.
+    logp, old, adv = [0.1, 0.6, -0.2], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]
+    loss, grad, hit = loss_and_grad("gmpo", logp, old, adv, LossSettings(0.4, 0.4), mode="seq-mean-token-mean")
+    ratio = math.exp((0.1 + 0.4 - 0.2) / 3)
+    torch.testing.assert_close(loss, torch.full((3,), -2.0 * ratio))
+    # seq-mean-token-mean of a constant row = -A ratio; d/d delta_t = -A ratio / 3 where unclipped
+    torch.testing.assert_close(grad, torch.tensor([-2.0 * ratio / 3, 0.0, -2.0 * ratio / 3]))
+    assert hit.tolist() == [0.0, 1.0, 0.0]
+    # A < 0 is pessimistic the other way: delta 0.6 stays (max), -0.6 is clipped to -0.4.
+    loss, _, hit = loss_and_grad("gmpo", [0.6, -0.6], [0.0, 0.0], [-1.0, -1.0], LossSettings(0.4, 0.4))
+    torch.testing.assert_close(loss, torch.full((2,), math.exp((0.6 - 0.4) / 2)))
+    assert hit.tolist() == [0.0, 1.0]

@@ -86,6 +86,13 @@ def test_invalid_algorithm_combinations_fail_at_load(tmp_path):
 
 
 INVALID = {
+    "dual clip on a loss without a clip": (["algo.policy_loss=sapo", "algo.dual_clip_c=2"],
+                                          "'algo.dual_clip_c' applies to policy_loss ppo and gspo, not 'sapo'"),
+    "sapo temperatures for another loss": (["algo.sapo_tau_pos=2"], "apply to policy_loss sapo, not 'ppo'"),
+    "a non-positive sapo temperature": (["algo.policy_loss=sapo", "algo.sapo_tau_neg=0"], "must be > 0"),
+    "mini-batches below one": (["train.mini_batches=0"], "'train.mini_batches' must be >= 1"),
+    "warm-up longer than the run": (["train.total_steps=2", "train.warmup_steps=2"],
+                                    "'train.warmup_steps' must be in [0, 2)"),
     "gae without a critic": (["algo.advantage=gae"], "algo.advantage 'gae' needs a critic"),
     "a critic without gae": (["critic.enabled=true"], "critic.enabled: true is only used by algo.advantage 'gae'"),
     "reinforce_pp_baseline with one sample": (

@@ -169,6 +169,12 @@ PAIRED = {
     "algo.lam": (GAE, "algo.lam=0.5", 1),
     "algo.whiten_advantages": (GAE, "algo.whiten_advantages=false", 1),
     "algo.advantage_clip": ([], "algo.advantage_clip=0.1", 1),
+    "algo.policy_loss=cispo": ([], "algo.policy_loss=cispo", 1),
+    "algo.policy_loss=sapo": ([], "algo.policy_loss=sapo", 1),
+    "algo.policy_loss=gmpo": ([], "algo.policy_loss=gmpo", 1),
+    # the gate temperatures act off-policy: the second of the setup's two epochs
+    "algo.sapo_tau_pos": (["algo.policy_loss=sapo"], "algo.sapo_tau_pos=5.0", 1),
+    "algo.sapo_tau_neg": (["algo.policy_loss=sapo"], "algo.sapo_tau_neg=5.0", 1),
     "algo.mask_truncated": ([], "algo.mask_truncated=true", 1),
     "algo.early_stop_ratio": ([], "algo.early_stop_ratio=0.000000001", 1),
     "algo.target_kl": ([], "algo.target_kl=0.000000000001", 1),

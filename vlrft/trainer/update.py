@@ -8,7 +8,7 @@ import torch
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
 from vlrft.algo.kl import FULL_KL, full_kl
-from vlrft.algo.losses import policy_loss
+from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config, kl_estimator_name
@@ -18,6 +18,11 @@ from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
 from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum, device, rank, world_size
 from vlrft.types import MicroBatch, Rollout
+
+
+def loss_settings(algo) -> LossSettings:
+    """The policy loss's settings from the `algo` config section."""
+    return LossSettings(algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c, algo.sapo_tau_pos, algo.sapo_tau_neg)
 
 
 def loss_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
@@ -200,9 +205,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             entropy = response_rows(batch, out.entropy) if need_entropy else torch.zeros_like(logp)  # [S, R]
             old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             adv = sample_rows(batch, "advantages", here)  # [S, R]
-            pg, clip_hit = policy_loss(
-                algo.policy_loss, logp, old, adv, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c
-            )
+            pg, clip_hit = policy_loss(algo.policy_loss, logp, old, adv, mask, loss_settings(algo))
             if algo.high_entropy_token_ratio > 0:
                 # Threshold over this micro-batch's valid tokens on every rank; only the
                 # policy-gradient term is masked, the denominator stays the full token count.

@@ -202,3 +202,22 @@ def test_gmpo_value_and_gradient_by_hand():
     loss, _, hit = loss_and_grad("gmpo", [0.6, -0.6], [0.0, 0.0], [-1.0, -1.0], LossSettings(0.4, 0.4))
     torch.testing.assert_close(loss, torch.full((2,), math.exp((0.6 - 0.4) / 2)))
     assert hit.tolist() == [0.0, 1.0]
+
+
+def test_a_new_advantage_estimator_is_one_registered_function():
+    from vlrft.algo import ADVANTAGES
+    from vlrft.algo.estimate import AdvantageInputs
+
+    @ADVANTAGES.register("best_is_one")
+    def best_is_one(x: AdvantageInputs, opts: AdvantageOptions):
+        best = x.sequence_rewards() == x.sequence_rewards().max()
+        return x.broadcast(best.float()), None
+
+    try:
+        mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+        out, returns = estimate_advantages(AdvantageOptions(name="best_is_one", clip=0.5), torch.tensor([0.2, 0.7]),
+                                           torch.tensor([0, 0]), mask, torch.zeros(2, 2))
+        assert torch.equal(out, torch.tensor([[0.0, 0.0], [0.5, 0.0]])) and returns is None  # clip and mask applied after
+        assert "best_is_one" in ADVANTAGES.names()
+    finally:
+        del ADVANTAGES._items["best_is_one"]  # the registry is process-wide

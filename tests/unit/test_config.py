@@ -92,7 +92,7 @@ INVALID = {
     "a non-positive sapo temperature": (["algo.policy_loss=sapo", "algo.sapo_tau_neg=0"], "must be > 0"),
     "mini-batches below one": (["train.mini_batches=0"], "'train.mini_batches' must be >= 1"),
     "warm-up longer than the run": (["train.total_steps=2", "train.warmup_steps=2"],
-                                    "'train.warmup_steps' must be in [0, 2)"),
+                                    r"'train.warmup_steps' must be in \[0, 2\)"),
     "gae without a critic": (["algo.advantage=gae"], "algo.advantage 'gae' needs a critic"),
     "a critic without gae": (["critic.enabled=true"], "critic.enabled: true is only used by algo.advantage 'gae'"),
     "reinforce_pp_baseline with one sample": (

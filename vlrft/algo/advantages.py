@@ -6,6 +6,8 @@ import torch
 
 from vlrft.registry import Registry
 
+# name -> estimator(AdvantageInputs, AdvantageOptions) -> (advantages [N, R], returns [N, R] | None);
+# the estimators are registered in estimate.py, on top of the math below.
 ADVANTAGES = Registry("advantage estimator")
 # Estimators that compare responses within a group and so need n_samples_per_prompt >= 2.
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -40,7 +42,6 @@ def centred_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[tor
     return torch.where(noise, torch.zeros_like(centred), centred), std
 
 
-@ADVANTAGES.register("grpo")
 def grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -50,7 +51,6 @@ def grpo_advantages(
     return (centred / (std + eps) if scale_by_std else centred).to(rewards.dtype)
 
 
-@ADVANTAGES.register("rloo")
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_g) (leave-one-out baseline). [N]."""
     centred, _ = centred_rewards(rewards, group_ids)
@@ -59,16 +59,9 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return (centred * size / (size - 1).clamp(min=1.0)).to(rewards.dtype)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean_g (no std scaling here: the batch whitening that follows scales). [N]."""
     return centred_rewards(rewards, group_ids)[0].to(rewards.dtype)
-
-
-# Token-level estimators consume per-token rewards [N, R] rather than one score per response.
-TOKEN_ESTIMATORS = {"reinforce_pp", "gae"}
-# Estimators whose advantages are whitened over the global batch (gae: when configured).
-WHITENED_ESTIMATORS = {"reinforce_pp", "reinforce_pp_baseline"}
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -80,7 +73,6 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@ADVANTAGES.register("reinforce_pp")
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} over valid tokens (responses are left-aligned). [N, R]."""
     rewards = rewards * mask
@@ -92,7 +84,6 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return returns * mask
 
 
-@ADVANTAGES.register("gae")
 def gae_advantages(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

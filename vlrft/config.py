@@ -104,6 +104,13 @@ class AlgoConfig:
     dual_clip_c: float = 0.0  # ppo/gspo: dual-clip bound for A < 0 (0 = off, else > 1)
     sapo_tau_pos: float = 1.0  # sapo: soft-gate temperature where the advantage is positive
     sapo_tau_neg: float = 1.05  # sapo: ... where it is negative (larger: fades faster)
+    # Correct for the engine sampling from other numerics than the trainer's old policy, with
+    # r = pi_old / pi_engine per sampled token: none | tis (weight min(r, cap)) | mis (drop
+    # responses whose geometric-mean r leaves [low, high]) | icepop (drop tokens whose r does).
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0  # tis
+    rollout_correction_low: float = 0.5  # mis, icepop
+    rollout_correction_high: float = 2.0  # mis, icepop
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
     # Reward transform before advantages: clip((r - reward_bias) * reward_scale, +-reward_clip).

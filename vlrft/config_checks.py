@@ -124,6 +124,21 @@ def _validate_rewards(reward: RewardConfig) -> None:
     missing_package(reward.accuracy_recipe, resolve_recipe(reward.accuracy_recipe))
 
 
+def _validate_rollout_correction(algo, need) -> None:
+    from vlrft.algo.correction import ROLLOUT_CORRECTIONS
+
+    mode = algo.rollout_correction
+    need(mode in ROLLOUT_CORRECTIONS,
+         f"config key 'algo.rollout_correction' is '{mode}'; valid: {', '.join(ROLLOUT_CORRECTIONS)}")
+    need(algo.rollout_correction_cap >= 1, f"config key 'algo.rollout_correction_cap' must be >= 1, got {algo.rollout_correction_cap}")
+    need(0 < algo.rollout_correction_low <= 1 <= algo.rollout_correction_high,
+         "config keys 'algo.rollout_correction_low' / '_high' must satisfy 0 < low <= 1 <= high")
+    need(algo.rollout_correction_cap == 2.0 or mode == "tis",
+         f"config key 'algo.rollout_correction_cap' applies to rollout_correction tis, not '{mode}'")
+    need((algo.rollout_correction_low, algo.rollout_correction_high) == (0.5, 2.0) or mode in ("mis", "icepop"),
+         f"config keys 'algo.rollout_correction_low' / '_high' apply to rollout_correction mis and icepop, not '{mode}'")
+
+
 def missing_package(name: str, recipe) -> None:
     """A recipe may declare the modules it imports at call time as `recipe.requires = {module:
     install hint}`; a missing one fails here, at config load, instead of on every call."""
@@ -162,6 +177,7 @@ def _validate_algo(cfg: Config) -> None:
          f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {algo.dual_clip_c}")
     need(algo.dual_clip_c == 0 or algo.policy_loss in ("ppo", "gspo"),
          f"config key 'algo.dual_clip_c' applies to policy_loss ppo and gspo, not '{algo.policy_loss}'")
+    _validate_rollout_correction(algo, need)
     need(algo.sapo_tau_pos > 0 and algo.sapo_tau_neg > 0,
          "config keys 'algo.sapo_tau_pos' and 'algo.sapo_tau_neg' must be > 0")
     need((algo.sapo_tau_pos, algo.sapo_tau_neg) == (1.0, 1.05) or algo.policy_loss == "sapo",

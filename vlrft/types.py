@@ -58,6 +58,7 @@ class Experience:
     values: torch.Tensor | None = None  # [R] rollout-time critic outputs (normalised space if value_norm)
     returns: torch.Tensor | None = None  # [R] critic targets (same space as values)
     entropy: torch.Tensor | None = None  # [R] rollout-time policy entropy at each response token
+    correction: torch.Tensor | None = None  # [R] rollout-correction weight of each token's pg term (None = off)
     in_loss: bool = True  # False: kept for bookkeeping only (mask_truncated, placeholders)
     correct: float = 0.0  # the accuracy recipe's verdict (set by mark_correct before metrics)
 

@@ -49,6 +49,7 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
         "train.lr=0.01",
         f"train.zero_stage={zero_stage}",
         "reward.default=[{recipe: 'recipe.py:distinct_chars'}]",  # varies within groups: non-zero updates
+        "algo.rollout_correction=tis",  # the correction runs on vLLM's own logprobs and logs its metrics
         f"output.dir={tmp_path / 'run'}",
     ]
     (tmp_path / "recipe.py").write_text(RECIPE)
@@ -64,3 +65,8 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
     assert len(steps) == 3
     # The engine's sampling logprobs track the trainer's at every step (after every sync).
     assert all(m["rollout/engine_logprob_diff_mean"] < 1e-2 for m in steps), steps
+    # Rollout correction (tis): the mismatch is measured and the weights stay near 1 for an
+    # engine that serves the trainer's weights (the banned-token renormalisation is the gap).
+    for m in steps:
+        assert 0 <= m["rollout/mismatch_kl"] < 1e-3, m
+        assert abs(m["rollout/correction_weight_mean"] - 1) < 2e-2 and m["rollout/correction_masked_frac"] == 0, m

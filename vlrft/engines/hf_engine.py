@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
@@ -13,6 +13,32 @@ from vlrft.experience.collate import concat_mm_inputs, mm_token_type_ids
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """The last logits processor: records the log-probability of each sampled token under the
+    distribution it was sampled from (after suppression, temperature and top-p). Called at step
+    t, it sees the token sampled at step t - 1 (input_ids' last column) and scores it with the
+    distribution kept from that step, so only one [B, V] distribution is held at a time."""
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None  # [B, V] log-softmax of the last step's scores
+        self.logprobs: list[torch.Tensor] = []  # per step, [B]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._record(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[B, new tokens] logprobs, once generate returned `sequences` (the last step's token)."""
+        self._record(sequences[:, -1])
+        self.previous = None
+        return torch.stack(self.logprobs, dim=1) if self.logprobs else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
 
 
 class HFEngine:
@@ -41,16 +67,28 @@ class HFEngine:
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Built explicitly so no checkpoint default (top_k=50, repetition penalty, ...) changes
-        # the sampling distribution that the trainer's logprobs assume.
-        sample = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        # the sampling distribution that the trainer's logprobs assume. Temperature and top-p
+        # are not set here: `_processors` applies them, before recording the logprobs.
         return GenerationConfig(
             do_sample=not params.greedy,
+            top_k=0 if not params.greedy else None,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             suppress_tokens=self.banned_ids or None,
-            **sample,
         )
+
+    @staticmethod
+    def _processors(params: SamplingParams) -> tuple[LogitsProcessorList, SampledTokenLogprobs]:
+        """Temperature and top-p, then the recorder. transformers would run its own temperature
+        and top-p warpers after every processor a caller passes, so they are ours here."""
+        recorder = SampledTokenLogprobs()
+        warpers = []
+        if not params.greedy and params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if not params.greedy and params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        return LogitsProcessorList([*warpers, recorder]), recorder
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
@@ -69,14 +107,20 @@ class HFEngine:
             attention_mask[row, width - len(p.prompt_ids) :] = 1
         mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=True)
         here = self.model.device
+        processors, recorder = self._processors(params)
         with decoder_autocast(self.model):
             out = self.model.generate(
                 input_ids=input_ids.to(here),
                 attention_mask=attention_mask.to(here),
                 generation_config=self._generation_config(params),
+                logits_processor=processors,
                 **{k: v.to(here) for k, v in mm.items()},
             )  # [B, P + new]
-        return [make_rollout(p, out[row, width:].tolist(), self.tokenizer, self.stop_ids) for row, p in enumerate(prompts)]
+        logprobs = recorder.finish(out).cpu()  # [B, new] the sampling distribution's logprob of each token
+        return [
+            make_rollout(p, out[row, width:].tolist(), self.tokenizer, self.stop_ids, logprobs[row].tolist())
+            for row, p in enumerate(prompts)
+        ]
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from vlrft.algo.correction import correction_weights, mismatch_sums
 from vlrft.algo.estimate import AdvantageOptions, estimate_advantages
 from vlrft.algo.kl import FULL_KL, KL_ESTIMATORS, full_kl
 from vlrft.algo.shaping import best_of_n
@@ -55,6 +56,14 @@ class KLSettings:
 
 
 @dataclass
+class CorrectionSettings:
+    mode: str = "none"  # none | tis | mis | icepop (algo/correction.py)
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+
+
+@dataclass
 class MakerSettings:
     sampling: SamplingParams  # n = responses generated per prompt
     keep_per_prompt: int  # best-of-n keeps this many per prompt (== sampling.n: keep all)
@@ -63,18 +72,25 @@ class MakerSettings:
     kl: KLSettings = field(default_factory=KLSettings)
     mask_truncated: bool = False
     image_check: ImageTokenCheck | None = None  # drops samples whose image tokens mismatch their pixels
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
 
 
-def token_metrics(rollouts: list[Rollout], old: list[torch.Tensor], entropy: list[torch.Tensor]) -> dict[str, float]:
+def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
+    """Whether the engine returned its own logprobs. One engine kind per run, but a rank may
+    have no rollouts (all its prompts skipped): every rank asks, so all agree (collective)."""
+    return bool(all_reduce_max_int(int(bool(rollouts) and rollouts[0].logprobs is not None)))
+
+
+def token_metrics(
+    rollouts: list[Rollout], old: list[torch.Tensor], entropy: list[torch.Tensor], with_engine: bool
+) -> dict[str, float]:
     """Global mean token entropy of the rollout policy and, when the engine reports its own
-    logprobs, how far they are from the trainer's (a stale or broken weight sync, or a
-    numerics gap between engine and trainer, shows here first)."""
+    logprobs (`with_engine`), how far they are from the trainer's (a stale or broken weight
+    sync, or a numerics gap between engine and trainer, shows here first)."""
     tokens = sum(len(r.response_ids) for r in rollouts)
     sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
     metrics = {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
-    # One engine kind per run, but a rank may have no rollouts (all its prompts skipped): ask
-    # every rank, so all of them join the gather below or none does.
-    if all_reduce_max_int(int(bool(rollouts) and rollouts[0].logprobs is not None)):
+    if with_engine:
         gaps = torch.cat([(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])  # [tokens]
         gathered = all_gather_1d(gaps)
         metrics["rollout/engine_logprob_diff_mean"] = float(gathered.mean()) if gathered.numel() else 0.0
@@ -138,7 +154,14 @@ class FastExperienceMaker:
             torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
         )  # [N]
         token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
-        metrics = token_metrics(rollouts, per_token["old"], per_token["entropy"])
+        with_engine = engine_reports_logprobs(rollouts)
+        metrics = token_metrics(rollouts, per_token["old"], per_token["entropy"], with_engine)
+        corrections = None
+        if with_engine:
+            corrections, mismatch = self._rollout_correction(rollouts, pad_rows(per_token["old"], width), mask)
+            metrics |= mismatch
+        elif s.correction.mode != "none":
+            raise ValueError(f"algo.rollout_correction {s.correction.mode} needs an engine that reports its logprobs")
         if s.image_check is not None:
             metrics["rollout/skipped_samples"] = float(all_reduce_sum(torch.tensor([float(skipped)])))
         if self.reference is not None:
@@ -178,7 +201,25 @@ class FastExperienceMaker:
                 e.values = per_token["values"][i]
                 e.returns = returns[i, :n].clone()
             e.in_loss = e.in_loss and bool(in_loss[i])
+            if corrections is not None and s.correction.mode != "none":
+                e.correction = corrections[i, :n].clone()
         return experiences, metrics
+
+    def _rollout_correction(self, rollouts: list[Rollout], old: torch.Tensor, mask: torch.Tensor):
+        """(per-token weights [N, R], mismatch metrics over all ranks) from the engine's logprobs."""
+        c = self.settings.correction
+        engine = pad_rows([torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], mask.shape[1])  # [N, R]
+        weights = correction_weights(old, engine, mask, c.mode, c.cap, c.low, c.high)
+        tokens, kl, total, squares, masked = all_reduce_sum(mismatch_sums(old, engine, weights, mask)).tolist()
+        metrics = {"rollout/mismatch_kl": kl / max(tokens, 1.0)}
+        if c.mode != "none":
+            mean = total / max(tokens, 1.0)
+            metrics |= {
+                "rollout/correction_weight_mean": mean,
+                "rollout/correction_weight_std": max(squares / max(tokens, 1.0) - mean * mean, 0.0) ** 0.5,
+                "rollout/correction_masked_frac": masked / max(tokens, 1.0),
+            }
+        return weights, metrics
 
     def _drop_bad_samples(self, experiences: list[Experience]) -> tuple[list[Experience], int]:
         """Samples whose forward would fail (image tokens vs pixel patches) are named and dropped."""

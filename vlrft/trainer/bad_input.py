@@ -28,7 +28,7 @@ def placeholder(prompt: Prompt) -> Experience:
     empty = torch.zeros(0)
     return Experience(
         rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, advantages=empty, values=empty, returns=empty,
-        entropy=empty, in_loss=False,
+        entropy=empty, correction=empty, in_loss=False,
     )
 
 

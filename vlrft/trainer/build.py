@@ -9,7 +9,7 @@ from vlrft.algo.kl import AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
 from vlrft.config import Config, kl_estimator_name
 from vlrft.engines import SamplingParams
-from vlrft.experience.maker import KLSettings, MakerSettings
+from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
 
 
 def reward_shaper(cfg: Config):
@@ -58,4 +58,10 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None)
         kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
         mask_truncated=cfg.algo.mask_truncated,
         image_check=image_check,
+        correction=CorrectionSettings(
+            cfg.algo.rollout_correction,
+            cfg.algo.rollout_correction_cap,
+            cfg.algo.rollout_correction_low,
+            cfg.algo.rollout_correction_high,
+        ),
     )

@@ -206,6 +206,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             adv = sample_rows(batch, "advantages", here)  # [S, R]
             pg, clip_hit = policy_loss(algo.policy_loss, logp, old, adv, mask, loss_settings(algo))
+            if algo.rollout_correction != "none":
+                pg = pg * sample_rows(batch, "correction", here)  # engine-mismatch weights (algo/correction.py)
             if algo.high_entropy_token_ratio > 0:
                 # Threshold over this micro-batch's valid tokens on every rank; only the
                 # policy-gradient term is masked, the denominator stays the full token count.

@@ -11,15 +11,18 @@ A JSONL row looks like::
 Image paths are relative to the directory holding the JSONL file, so a dataset
 directory can be moved or copied as a unit.
 
-Two tasks:
+Three tasks:
   * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
                    chance = 1/len(COLOURS) = 25%).
+  * ``left_right`` - two shapes of different colours side by side; "what colour is the shape
+                   on the left?" (or right). Needs the spatial relation and the question: a
+                   policy that answers any colour in the image is right half the time.
   * ``addition`` - small addition (operands 0..4, sums balanced), text only (a cheap sanity
                    task; chance = 1/9).
 
 CLI::
 
-    python -m data_tools.synth_shapes --task colors|addition --out DIR \
+    python -m data_tools.synth_shapes --task colors|left_right|addition --out DIR \
         [--n-train 2000] [--n-test 200] [--seed 0]
 """
 
@@ -37,6 +40,8 @@ SHAPES = ("circle", "square", "triangle")
 COLOUR_QUESTION = "What colour is the shape? Answer as <answer>colour</answer>."
 
 COLOR_SOURCE = "color_shapes"
+LEFT_RIGHT_SOURCE = "left_right"
+SIDES = ("left", "right")
 ADDITION_SOURCE = "addition"
 
 # Base RGB per colour. Jitter (below) stays well inside the "obviously this colour"
@@ -123,6 +128,30 @@ def colour_row(row_id: str, image_path: str, colour: str, shape: str) -> dict:
     }
 
 
+def side_question(side: str) -> str:
+    return f"What colour is the shape on the {side}? Answer as <answer>colour</answer>."
+
+
+def render_pair(left: str, right: str, rng: np.random.Generator, size: int = 56) -> Image.Image:
+    """Two shapes side by side (a ``2 size`` x ``size`` image): ``left`` in the left half,
+    ``right`` in the right half, each a random shape placed at random inside its half."""
+    image = Image.new("RGB", (2 * size, size))
+    for slot, colour in enumerate((left, right)):
+        image.paste(render_shape(colour, SHAPES[int(rng.integers(len(SHAPES)))], rng, size), (slot * size, 0))
+    return image
+
+
+def left_right_row(row_id: str, image_path: str, side: str, left: str, right: str) -> dict:
+    return {
+        "id": row_id,
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "image": image_path}, {"type": "text", "text": side_question(side)}]}],
+        "answer": left if side == "left" else right,
+        "data_source": LEFT_RIGHT_SOURCE,
+        "meta": {"side": side, "left": left, "right": right},
+    }
+
+
 # Operands 0..4: sums 0..8 are single tokens, so a tiny model's RL signal is dense enough to
 # learn from in minutes on a CPU (with 0..9, 5% of random answers are right and 150 steps
 # of GRPO did not move the tiny model off predicting the most common sum).
@@ -172,21 +201,49 @@ def _split_rngs(seed: int) -> dict[str, np.random.Generator]:
     return {"train": np.random.default_rng(train), "test": np.random.default_rng(test)}
 
 
-def write_colour_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
-    """Write ``train.jsonl``, ``test.jsonl`` and ``images/*.png`` under ``out_dir``."""
+def _write_image_task(out_dir, n_train: int, n_test: int, seed: int, make_row) -> Path:
+    """``train.jsonl``, ``test.jsonl`` and ``images/*.png`` under ``out_dir``: row i of a split
+    is ``make_row(row_id, image_path, answer, rng)`` with answers balanced over COLOURS; it saves
+    its image at ``out_dir / image_path``."""
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     rngs = _split_rngs(seed)
     for split, n in (("train", n_train), ("test", n_test)):
         rng = rngs[split]
-        rows = []
-        for i, colour in enumerate(balanced_colours(n, rng)):
-            shape = SHAPES[int(rng.integers(len(SHAPES)))]
-            rel = f"images/{split}_{i:05d}.png"
-            render_shape(colour, shape, rng).save(out_dir / rel)
-            rows.append(colour_row(f"{COLOR_SOURCE}-{split}-{i:05d}", rel, colour, shape))
+        rows = [
+            make_row(f"{split}-{i:05d}", f"images/{split}_{i:05d}.png", colour, rng)
+            for i, colour in enumerate(balanced_colours(n, rng))
+        ]
         _write_jsonl(out_dir / f"{split}.jsonl", rows)
     return out_dir
+
+
+def write_colour_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """The colour task: one random shape per image, 56 x 56."""
+    out_dir = Path(out_dir)
+
+    def make_row(row_id: str, rel: str, colour: str, rng: np.random.Generator) -> dict:
+        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        render_shape(colour, shape, rng).save(out_dir / rel)
+        return colour_row(f"{COLOR_SOURCE}-{row_id}", rel, colour, shape)
+
+    return _write_image_task(out_dir, n_train, n_test, seed, make_row)
+
+
+def write_left_right_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """The two-shape relation task: answers balanced over colours, sides alternating, the other
+    shape always another colour; images 112 x 56 (within the demo's pixel bounds, no resize)."""
+    out_dir = Path(out_dir)
+    sides = iter(SIDES * (n_train + n_test))  # alternates through both splits: balanced sides
+
+    def make_row(row_id: str, rel: str, answer: str, rng: np.random.Generator) -> dict:
+        side = next(sides)
+        other = [c for c in COLOURS if c != answer][int(rng.integers(len(COLOURS) - 1))]
+        left, right = (answer, other) if side == "left" else (other, answer)
+        render_pair(left, right, rng).save(out_dir / rel)
+        return left_right_row(f"{LEFT_RIGHT_SOURCE}-{row_id}", rel, side, left, right)
+
+    return _write_image_task(out_dir, n_train, n_test, seed, make_row)
 
 
 def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
@@ -202,7 +259,7 @@ def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: i
     return out_dir
 
 
-TASKS = {"colors": write_colour_task, "addition": write_addition_task}
+TASKS = {"colors": write_colour_task, "left_right": write_left_right_task, "addition": write_addition_task}
 
 
 def main(argv=None) -> None:

@@ -72,6 +72,36 @@ def test_colour_task_schema_images_and_balance(tmp_path):
         assert set(counts) == set(ss.COLOURS) and max(counts.values()) - min(counts.values()) <= 1
 
 
+def test_left_right_task_needs_the_relation(tmp_path):
+    ss.write_left_right_task(tmp_path, n_train=40, n_test=8, seed=1)
+    rows = _rows(tmp_path / "train.jsonl")
+    assert len(rows) == 40 and {r["data_source"] for r in rows} == {"left_right"}
+    for r in rows:
+        meta = r["meta"]
+        assert meta["left"] != meta["right"]  # "any colour in the image" is right half the time
+        assert r["answer"] == meta[meta["side"]]
+        assert r["messages"][0]["content"][1]["text"] == ss.side_question(meta["side"])
+        with Image.open(tmp_path / r["messages"][0]["content"][0]["image"]) as im:
+            assert im.size == (112, 56)
+            pixels = np.asarray(im).astype(int)
+        # each half holds its own colour: the half's most saturated pixels are nearest that colour
+        for half, colour in ((pixels[:, :56], meta["left"]), (pixels[:, 56:], meta["right"])):
+            vivid = half[(half.max(-1) - half.min(-1)) > 100]
+            nearest = min(ss.COLOURS, key=lambda c: np.abs(vivid.mean(0) - np.array(ss._BASE_RGB[c])).sum())
+            assert nearest == colour
+    counts = Counter(r["answer"] for r in rows)
+    assert max(counts.values()) - min(counts.values()) <= 1
+    assert Counter(r["meta"]["side"] for r in rows) == {"left": 20, "right": 20}
+
+
+def test_supervised_probe_runs_and_reports_a_curve(tmp_path, tiny_vl):
+    from data_tools.supervised_probe import probe
+
+    ss.write_left_right_task(tmp_path, n_train=16, n_test=8, seed=0)
+    curve = probe(tiny_vl, str(tmp_path), steps=2, batch_size=4, lr=1e-3, eval_every=1)
+    assert [s for s, _ in curve] == [0, 1, 2] and all(0.0 <= a <= 1.0 for _, a in curve)
+
+
 def test_colour_task_is_reproducible(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     ss.write_colour_task(a, 8, 4, seed=7)

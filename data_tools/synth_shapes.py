@@ -11,18 +11,21 @@ A JSONL row looks like::
 Image paths are relative to the directory holding the JSONL file, so a dataset
 directory can be moved or copied as a unit.
 
-Three tasks:
+Four tasks:
   * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
                    chance = 1/len(COLOURS) = 25%).
   * ``left_right`` - two shapes of different colours side by side; "what colour is the shape
                    on the left?" (or right). Needs the spatial relation and the question: a
                    policy that answers any colour in the image is right half the time.
+  * ``bigger``   - two shapes of different colours and clearly different sizes, anywhere in
+                   the image; "what colour is the bigger shape?" (a size relation; again 0.5
+                   for a policy that answers any colour in the image).
   * ``addition`` - small addition (operands 0..4, sums balanced), text only (a cheap sanity
                    task; chance = 1/9).
 
 CLI::
 
-    python -m data_tools.synth_shapes --task colors|left_right|addition --out DIR \
+    python -m data_tools.synth_shapes --task colors|left_right|bigger|addition --out DIR \
         [--n-train 2000] [--n-test 200] [--seed 0]
 """
 
@@ -41,6 +44,8 @@ COLOUR_QUESTION = "What colour is the shape? Answer as <answer>colour</answer>."
 
 COLOR_SOURCE = "color_shapes"
 LEFT_RIGHT_SOURCE = "left_right"
+BIGGER_SOURCE = "bigger_shape"
+BIGGER_QUESTION = "What colour is the bigger shape? Answer as <answer>colour</answer>."
 SIDES = ("left", "right")
 ADDITION_SOURCE = "addition"
 
@@ -67,11 +72,12 @@ def format_answer(x) -> str:
 # --------------------------------------------------------------------------- images
 
 
-def render_shape(colour: str, shape: str, rng: np.random.Generator, size: int = 56) -> Image.Image:
+def render_shape(colour: str, shape: str, rng: np.random.Generator, size: int = 56, side: int | None = None) -> Image.Image:
     """One filled ``shape`` in ``colour`` on a noisy light-grey background (RGB, size x size).
 
     Position, size, exact RGB and background shading are random (drawn from ``rng``)
-    so a policy cannot memorise pixels, but the colour is always unambiguous.
+    so a policy cannot memorise pixels, but the colour is always unambiguous. ``side`` fixes
+    the shape's side length in pixels instead of drawing it.
     """
     if colour not in _BASE_RGB:
         raise ValueError(f"unknown colour {colour!r}; expected one of {COLOURS}")
@@ -87,7 +93,8 @@ def render_shape(colour: str, shape: str, rng: np.random.Generator, size: int = 
     img = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8), "RGB")
 
     # Shape: 40-70% of the image side, placed fully inside with a small margin.
-    side = int(rng.integers(int(0.4 * size), int(0.7 * size) + 1))
+    if side is None:
+        side = int(rng.integers(int(0.4 * size), int(0.7 * size) + 1))
     margin = 2
     x0 = int(rng.integers(margin, size - side - margin + 1))
     y0 = int(rng.integers(margin, size - side - margin + 1))
@@ -141,15 +148,32 @@ def render_pair(left: str, right: str, rng: np.random.Generator, size: int = 56)
     return image
 
 
-def left_right_row(row_id: str, image_path: str, side: str, left: str, right: str) -> dict:
+def render_big_small(big: str, small: str, big_left: bool, rng: np.random.Generator, size: int = 56) -> Image.Image:
+    """A ``2 size`` x ``size`` image: a big shape (80-90% of the half's side) and a small one
+    (30-40%) of other colours, the big one in the half ``big_left`` says."""
+    image = Image.new("RGB", (2 * size, size))
+    sides = {big: int(rng.integers(int(0.8 * size), int(0.9 * size) + 1)), small: int(rng.integers(int(0.3 * size), int(0.4 * size) + 1))}
+    for slot, colour in enumerate((big, small) if big_left else (small, big)):
+        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        image.paste(render_shape(colour, shape, rng, size, side=sides[colour]), (slot * size, 0))
+    return image
+
+
+def image_question_row(row_id: str, image_path: str, question: str, answer: str, source: str, meta: dict) -> dict:
     return {
         "id": row_id,
         "messages": [{"role": "user", "content": [
-            {"type": "image", "image": image_path}, {"type": "text", "text": side_question(side)}]}],
-        "answer": left if side == "left" else right,
-        "data_source": LEFT_RIGHT_SOURCE,
-        "meta": {"side": side, "left": left, "right": right},
+            {"type": "image", "image": image_path}, {"type": "text", "text": question}]}],
+        "answer": answer,
+        "data_source": source,
+        "meta": meta,
     }
+
+
+def left_right_row(row_id: str, image_path: str, side: str, left: str, right: str) -> dict:
+    answer = left if side == "left" else right
+    meta = {"side": side, "left": left, "right": right}
+    return image_question_row(row_id, image_path, side_question(side), answer, LEFT_RIGHT_SOURCE, meta)
 
 
 # Operands 0..4: sums 0..8 are single tokens, so a tiny model's RL signal is dense enough to
@@ -246,6 +270,21 @@ def write_left_right_task(out_dir, n_train: int = 2000, n_test: int = 200, seed:
     return _write_image_task(out_dir, n_train, n_test, seed, make_row)
 
 
+def write_bigger_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """The size-relation task: answers balanced over colours, the big shape on either side at
+    random, the small one another colour; images 112 x 56."""
+    out_dir = Path(out_dir)
+
+    def make_row(row_id: str, rel: str, answer: str, rng: np.random.Generator) -> dict:
+        small = [c for c in COLOURS if c != answer][int(rng.integers(len(COLOURS) - 1))]
+        big_left = bool(rng.integers(2))
+        render_big_small(answer, small, big_left, rng).save(out_dir / rel)
+        meta = {"big": answer, "small": small, "big_side": "left" if big_left else "right"}
+        return image_question_row(f"{BIGGER_SOURCE}-{row_id}", rel, BIGGER_QUESTION, answer, BIGGER_SOURCE, meta)
+
+    return _write_image_task(out_dir, n_train, n_test, seed, make_row)
+
+
 def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
     """Small addition (a, b in ADDITION_OPERANDS, sums balanced, answer str(a + b)); text only."""
     out_dir = Path(out_dir)
@@ -259,7 +298,12 @@ def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: i
     return out_dir
 
 
-TASKS = {"colors": write_colour_task, "left_right": write_left_right_task, "addition": write_addition_task}
+TASKS = {
+    "colors": write_colour_task,
+    "left_right": write_left_right_task,
+    "bigger": write_bigger_task,
+    "addition": write_addition_task,
+}
 
 
 def main(argv=None) -> None:

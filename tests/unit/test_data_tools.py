@@ -94,6 +94,26 @@ def test_left_right_task_needs_the_relation(tmp_path):
     assert Counter(r["meta"]["side"] for r in rows) == {"left": 20, "right": 20}
 
 
+def test_bigger_task_needs_the_size_relation(tmp_path):
+    ss.write_bigger_task(tmp_path, n_train=40, n_test=8, seed=2)
+    rows = _rows(tmp_path / "train.jsonl")
+    assert {r["data_source"] for r in rows} == {"bigger_shape"}
+    sides = Counter()
+    for r in rows:
+        meta = r["meta"]
+        assert r["answer"] == meta["big"] != meta["small"]
+        assert r["messages"][0]["content"][1]["text"] == ss.BIGGER_QUESTION
+        with Image.open(tmp_path / r["messages"][0]["content"][0]["image"]) as im:
+            pixels = np.asarray(im).astype(int)
+        vivid = (pixels.max(-1) - pixels.min(-1)) > 100  # shape pixels
+        big_half, small_half = (slice(0, 56), slice(56, 112)) if meta["big_side"] == "left" else (slice(56, 112), slice(0, 56))
+        assert vivid[:, big_half].sum() > 1.5 * vivid[:, small_half].sum()  # clearly bigger (a big triangle vs a small square: ~2x)
+        sides[meta["big_side"]] += 1
+    assert set(sides) == {"left", "right"}  # position does not give the answer away
+    counts = Counter(r["answer"] for r in rows)
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
 def test_supervised_probe_runs_and_reports_a_curve(tmp_path, tiny_vl):
     from data_tools.supervised_probe import probe
 

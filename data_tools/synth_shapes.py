@@ -17,8 +17,8 @@ Four tasks:
   * ``left_right`` - two shapes of different colours side by side; "what colour is the shape
                    on the left?" (or right). Needs the spatial relation and the question: a
                    policy that answers any colour in the image is right half the time.
-  * ``bigger``   - two shapes of different colours and clearly different sizes, anywhere in
-                   the image; "what colour is the bigger shape?" (a size relation; again 0.5
+  * ``bigger``   - two shapes of different colours and clearly different sizes, the big one on
+                   either side; "what colour is the bigger shape?" (a size relation; again 0.5
                    for a policy that answers any colour in the image).
   * ``addition`` - small addition (operands 0..4, sums balanced), text only (a cheap sanity
                    task; chance = 1/9).

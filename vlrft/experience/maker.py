@@ -91,7 +91,8 @@ def token_metrics(
     sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
     metrics = {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
     if with_engine:
-        gaps = torch.cat([(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])  # [tokens]
+        # [tokens]; empty on a rank whose prompts were all skipped (it still joins the gather)
+        gaps = torch.cat([torch.zeros(0)] + [(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])
         gathered = all_gather_1d(gaps)
         metrics["rollout/engine_logprob_diff_mean"] = float(gathered.mean()) if gathered.numel() else 0.0
         metrics["rollout/engine_logprob_diff_max"] = float(gathered.max()) if gathered.numel() else 0.0

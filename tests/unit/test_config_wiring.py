@@ -169,16 +169,13 @@ PAIRED = {
     "algo.lam": (GAE, "algo.lam=0.5", 1),
     "algo.whiten_advantages": (GAE, "algo.whiten_advantages=false", 1),
     "algo.advantage_clip": ([], "algo.advantage_clip=0.1", 1),
-    "algo.policy_loss=cispo": ([], "algo.policy_loss=cispo", 1),
+    # (the loss values cispo/sapo/gmpo and the correction modes have hand-computed unit tests:
+    # test_algo_exactness.py, test_rollout_correction.py)
     # top-p 0.3: the engine samples from the nucleus, renormalised, so pi_old / pi_engine is the
     # nucleus mass, in [0.3, 1] (the cap and the upper bound act with a stale engine instead:
     # test_rollout_correction.py)
     "algo.rollout_correction=tis": (["rollout.top_p=0.3"], "algo.rollout_correction=tis", 1),
-    "algo.rollout_correction=mis": (["rollout.top_p=0.3"], "algo.rollout_correction=mis", 1),
-    "algo.rollout_correction=icepop": (["rollout.top_p=0.3"], "algo.rollout_correction=icepop", 1),
     "algo.rollout_correction_low": (["rollout.top_p=0.3", "algo.rollout_correction=icepop"], "algo.rollout_correction_low=0.1", 1),
-    "algo.policy_loss=sapo": ([], "algo.policy_loss=sapo", 1),
-    "algo.policy_loss=gmpo": ([], "algo.policy_loss=gmpo", 1),
     # the gate temperatures act off-policy: the second of the setup's two epochs
     "algo.sapo_tau_pos": (["algo.policy_loss=sapo"], "algo.sapo_tau_pos=5.0", 1),
     "algo.sapo_tau_neg": (["algo.policy_loss=sapo"], "algo.sapo_tau_neg=5.0", 1),

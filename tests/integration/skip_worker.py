@@ -39,7 +39,8 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
     backend = DeepSpeedBackend(model, lr=1e-2, weight_decay=0.0, grad_clip=1.0, zero_stage=2)
     before = [p.detach().clone() for p in backend.module.parameters()]
     buffer = ReplayBuffer(1, seed=0)
-    buffer.micro_batches = lambda shuffle: [pack([e]) for e in experiences]  # fixed order: index 0 is bad on rank 1
+    # One mini-batch in a fixed order: micro-batch 0 is bad on rank 1.
+    buffer.mini_batches = lambda count, shuffle: [[pack([e]) for e in experiences]]
     metrics = policy_update(backend, buffer, cfg, world_size, image_check=check)
     moved = any(not torch.equal(a, p) for a, p in zip(before, backend.module.parameters()))
     if rank == 0:

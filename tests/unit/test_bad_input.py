@@ -219,10 +219,10 @@ class FixedBuffer:
     def __init__(self, experiences):
         self.experiences = experiences
 
-    def micro_batches(self, shuffle):
+    def mini_batches(self, count, shuffle):
         from vlrft.experience.packing import pack
 
-        return [pack([e]) for e in self.experiences]
+        return [[pack([e]) for e in self.experiences]]  # one mini-batch, in order
 
 
 def update_backend_and_state(backend):

@@ -7,6 +7,7 @@ import importlib.util
 
 from vlrft.config import (
     LR_SCHEDULES,
+    AlgoConfig,
     OFFLOAD_CHOICES,
     ON_BAD_SAMPLE,
     WANDB_MODES,
@@ -133,9 +134,11 @@ def _validate_rollout_correction(algo, need) -> None:
     need(algo.rollout_correction_cap >= 1, f"config key 'algo.rollout_correction_cap' must be >= 1, got {algo.rollout_correction_cap}")
     need(0 < algo.rollout_correction_low <= 1 <= algo.rollout_correction_high,
          "config keys 'algo.rollout_correction_low' / '_high' must satisfy 0 < low <= 1 <= high")
-    need(algo.rollout_correction_cap == 2.0 or mode == "tis",
+    default = AlgoConfig()
+    need(algo.rollout_correction_cap == default.rollout_correction_cap or mode == "tis",
          f"config key 'algo.rollout_correction_cap' applies to rollout_correction tis, not '{mode}'")
-    need((algo.rollout_correction_low, algo.rollout_correction_high) == (0.5, 2.0) or mode in ("mis", "icepop"),
+    band = (algo.rollout_correction_low, algo.rollout_correction_high)
+    need(band == (default.rollout_correction_low, default.rollout_correction_high) or mode in ("mis", "icepop"),
          f"config keys 'algo.rollout_correction_low' / '_high' apply to rollout_correction mis and icepop, not '{mode}'")
 
 
@@ -180,7 +183,8 @@ def _validate_algo(cfg: Config) -> None:
     _validate_rollout_correction(algo, need)
     need(algo.sapo_tau_pos > 0 and algo.sapo_tau_neg > 0,
          "config keys 'algo.sapo_tau_pos' and 'algo.sapo_tau_neg' must be > 0")
-    need((algo.sapo_tau_pos, algo.sapo_tau_neg) == (1.0, 1.05) or algo.policy_loss == "sapo",
+    default = AlgoConfig()
+    need((algo.sapo_tau_pos, algo.sapo_tau_neg) == (default.sapo_tau_pos, default.sapo_tau_neg) or algo.policy_loss == "sapo",
          f"config keys 'algo.sapo_tau_pos' / 'algo.sapo_tau_neg' apply to policy_loss sapo, not '{algo.policy_loss}'")
     need(algo.scale_by_std or algo.advantage == "grpo",
          f"config key 'algo.scale_by_std: false' applies to grpo only, not '{algo.advantage}'")

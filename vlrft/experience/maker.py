@@ -81,22 +81,11 @@ def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
     return bool(all_reduce_max_int(int(bool(rollouts) and rollouts[0].logprobs is not None)))
 
 
-def token_metrics(
-    rollouts: list[Rollout], old: list[torch.Tensor], entropy: list[torch.Tensor], with_engine: bool
-) -> dict[str, float]:
-    """Global mean token entropy of the rollout policy and, when the engine reports its own
-    logprobs (`with_engine`), how far they are from the trainer's (a stale or broken weight
-    sync, or a numerics gap between engine and trainer, shows here first)."""
+def token_metrics(rollouts: list[Rollout], entropy: list[torch.Tensor]) -> dict[str, float]:
+    """Global mean token entropy of the rollout policy."""
     tokens = sum(len(r.response_ids) for r in rollouts)
     sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
-    metrics = {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
-    if with_engine:
-        # [tokens]; empty on a rank whose prompts were all skipped (it still joins the gather)
-        gaps = torch.cat([torch.zeros(0)] + [(torch.tensor(r.logprobs) - lp).abs() for r, lp in zip(rollouts, old)])
-        gathered = all_gather_1d(gaps)
-        metrics["rollout/engine_logprob_diff_mean"] = float(gathered.mean()) if gathered.numel() else 0.0
-        metrics["rollout/engine_logprob_diff_max"] = float(gathered.max()) if gathered.numel() else 0.0
-    return metrics
+    return {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
 
 
 class FastExperienceMaker:
@@ -155,10 +144,9 @@ class FastExperienceMaker:
             torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
         )  # [N]
         token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
-        with_engine = engine_reports_logprobs(rollouts)
-        metrics = token_metrics(rollouts, per_token["old"], per_token["entropy"], with_engine)
+        metrics = token_metrics(rollouts, per_token["entropy"])
         corrections = None
-        if with_engine:
+        if engine_reports_logprobs(rollouts):
             corrections, mismatch = self._rollout_correction(rollouts, pad_rows(per_token["old"], width), mask)
             metrics |= mismatch
         elif s.correction.mode != "none":
@@ -207,12 +195,19 @@ class FastExperienceMaker:
         return experiences, metrics
 
     def _rollout_correction(self, rollouts: list[Rollout], old: torch.Tensor, mask: torch.Tensor):
-        """(per-token weights [N, R], mismatch metrics over all ranks) from the engine's logprobs."""
+        """(per-token weights [N, R], metrics over all ranks) from the engine's own logprobs: how
+        far they are from the trainer's (a stale or broken weight sync, or a numerics gap, shows
+        here first), the mismatch KL, and the correction's weights."""
         c = self.settings.correction
         engine = pad_rows([torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], mask.shape[1])  # [N, R]
+        gaps = all_gather_1d((engine - old).abs()[mask.bool()])  # [tokens of all ranks]; a rank may have none
         weights = correction_weights(old, engine, mask, c.mode, c.cap, c.low, c.high)
         tokens, kl, total, squares, masked = all_reduce_sum(mismatch_sums(old, engine, weights, mask)).tolist()
-        metrics = {"rollout/mismatch_kl": kl / max(tokens, 1.0)}
+        metrics = {
+            "rollout/engine_logprob_diff_mean": float(gaps.mean()) if gaps.numel() else 0.0,
+            "rollout/engine_logprob_diff_max": float(gaps.max()) if gaps.numel() else 0.0,
+            "rollout/mismatch_kl": kl / max(tokens, 1.0),
+        }
         if c.mode != "none":
             mean = total / max(tokens, 1.0)
             metrics |= {

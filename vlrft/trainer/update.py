@@ -138,6 +138,7 @@ def policy_update(
     algo = cfg.algo
     metrics: dict[str, float] = {}
     epochs_run = skipped = nonfinite = steps = 0
+    extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)  # the same in every step
     for epoch in range(cfg.train.ppo_epochs):
         mini_batches = []
         for batches in buffer.mini_batches(cfg.train.mini_batches, shuffle=True):
@@ -152,7 +153,6 @@ def policy_update(
         for batches in mini_batches:
             if not batches:
                 continue
-            extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)
             step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
             nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
             metrics |= step_metrics

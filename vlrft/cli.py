@@ -8,12 +8,8 @@ import argparse
 import json
 import sys
 
-from vlrft.config import ConfigError, load_config
-from vlrft.data.dataset import DataError
-from vlrft.distributed import LaunchError
-from vlrft.metrics.external_sinks import MissingSinkPackage
-from vlrft.rewards.mix import RewardError
-from vlrft.trajectory.records import ReportError
+from vlrft.config import load_config
+from vlrft.errors import VlrftError
 from vlrft.trajectory.report import DEFAULT_TOP_K, write_report
 
 
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except json.JSONDecodeError as err:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, RewardError, ReportError, MissingSinkPackage, LaunchError) as err:
+    except VlrftError as err:  # a user's mistake: one line, no traceback
         print(f"vlrft: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -15,14 +15,12 @@ from typing import Any
 
 import yaml
 
+from vlrft.errors import ConfigError  # noqa: F401  (also importable from here)
+
 
 LR_SCHEDULES = ("constant", "cosine")
 OFFLOAD_CHOICES = ("none", "optimizer", "all")
 ON_BAD_SAMPLE = ("error", "skip")
-
-
-class ConfigError(ValueError):
-    """A user-caused configuration problem; the message is one line naming the culprit."""
 
 
 @dataclass
@@ -314,7 +312,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     raw = apply_overrides(raw, list(overrides))
     cfg = _build(Config, raw, "")
     _resolve_paths(cfg, base)
-    from vlrft.config_checks import validate  # checks import the registries, which import this module
+    from vlrft.config_checks import validate  # the checks import this module for its dataclasses
 
     validate(cfg)
     return cfg

@@ -12,12 +12,12 @@ from vlrft.config import (
     ON_BAD_SAMPLE,
     WANDB_MODES,
     Config,
-    ConfigError,
     ModelConfig,
     RewardConfig,
     component_name,
     optimizer_steps_of_run,
 )
+from vlrft.errors import ConfigError
 
 
 def _validate_model(model: ModelConfig, zero_stage: int) -> None:

@@ -17,12 +17,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+from vlrft.errors import VlrftError
+
 # Long enough for rank-0-only work between two collectives (writing a 7B final checkpoint, a
 # checkpoint rotation on a slow shared file system); a hung collective still ends the job.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
 
 
-class LaunchError(RuntimeError):
+class LaunchError(VlrftError, RuntimeError):
     """The processes were started in a way that cannot form one run; one-line message."""
 
 

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from vlrft.errors import ConfigError
+
 
 class Registry:
     """A small named table of callables; an unknown name fails listing the valid ones."""
@@ -32,8 +34,6 @@ class Registry:
         return name in self._items
 
     def check(self, name: str, key: str) -> None:
-        from vlrft.config import ConfigError
-
         if name not in self._items:
             raise ConfigError(f"config key '{key}': unknown {self.kind} '{name}'; valid: {', '.join(self.names())}")
 

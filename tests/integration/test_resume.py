@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.test_torchrun_training import RECIPE, free_port
+from tests.integration.test_torchrun_training import free_port
 from vlrft.models.loader import load_model
 
 pytestmark = pytest.mark.integration
@@ -23,9 +23,23 @@ pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 KILL_WORKER = Path(__file__).with_name("kill_during_save_worker.py")
 
+# distinct_chars rewards (test_torchrun_training.RECIPE), but while the file `hold` exists and the killed run has saved
+# step 2, the call waits: the kill lands inside step 3 however fast the loop runs (a 4-step
+# run can otherwise finish between two polls for the checkpoint, and nothing resumes).
+HELD_RECIPE = """import time
+from pathlib import Path
+
+
+def distinct_chars(completions, samples):
+    here = Path(__file__).parent
+    while (here / "hold").exists() and (here / "killed" / "checkpoints" / "step_000002").is_dir():
+        time.sleep(0.05)
+    return [len(set(c)) / 10 for c in completions]
+"""
+
 
 def write_config(root: Path, model: str, dataset: Path, run: str, **extra) -> Path:
-    (root / "recipe.py").write_text(RECIPE)
+    (root / "recipe.py").write_text(HELD_RECIPE)
     config = {
         "model": {"path": model},
         "data": {"train_path": str(dataset / "train.jsonl")},
@@ -74,6 +88,15 @@ def kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path) -> None:
     proc.wait()
 
 
+def kill_inside_step_3(config: Path, ranks: int) -> None:
+    """Runs the "killed" run of `config` until it has saved step 2 and kills it inside step 3."""
+    hold = config.parent / "hold"
+    hold.touch()
+    kill_after_checkpoint(launch(config, ranks), config.parent / "killed" / "checkpoints" / "step_000002")
+    assert not (config.parent / "killed" / "checkpoints" / "step_000003").exists()
+    hold.unlink()
+
+
 def step_metrics(run_dir: Path) -> dict[int, dict]:
     """step -> metrics without timings (perf/*), the only values allowed to differ."""
     merged: dict[int, dict] = {}
@@ -97,8 +120,7 @@ def test_single_process_resume_after_sigkill_is_exact(tiny_text, addition_data, 
     out = finish(launch(write_config(tmp_path, tiny_text, addition_data, "straight"), ranks=1))
     assert "held-out accuracy" not in out  # no eval data: no empty curve line
     config = write_config(tmp_path, tiny_text, addition_data, "killed")
-    proc = launch(config, ranks=1)
-    kill_after_checkpoint(proc, tmp_path / "killed" / "checkpoints" / "step_000002")
+    kill_inside_step_3(config, ranks=1)
     out = finish(launch(config, ranks=1))
     assert "resumed from" in out and "at step 2" in out
 
@@ -114,12 +136,11 @@ def test_single_process_resume_after_sigkill_is_exact(tiny_text, addition_data, 
 
 
 def test_two_rank_resume_continues_from_each_ranks_position(tiny_text, addition_data, tmp_path):
-    finish(launch(write_config(tmp_path, tiny_text, addition_data, "straight", train={
-        "total_steps": 4, "lr": 1e-2, "micro_batch_tokens": 200}), ranks=2))
-    config = write_config(tmp_path, tiny_text, addition_data, "killed", train={
-        "total_steps": 4, "lr": 1e-2, "micro_batch_tokens": 200})
-    proc = launch(config, ranks=2)
-    kill_after_checkpoint(proc, tmp_path / "killed" / "checkpoints" / "step_000002")
+    train = {"total_steps": 4, "lr": 1e-2, "micro_batch_tokens": 200}
+    straight = write_config(tmp_path, tiny_text, addition_data, "straight", train=train)
+    config = write_config(tmp_path, tiny_text, addition_data, "killed", train=train)
+    finish(launch(straight, ranks=2))
+    kill_inside_step_3(config, ranks=2)
     out = finish(launch(config, ranks=2))
     assert "resumed from" in out and "at step 2" in out, out[-6000:]
     for step in (3, 4):

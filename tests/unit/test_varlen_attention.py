@@ -19,6 +19,7 @@ from vlrft.experience.packing import forward_inputs, pack
 from vlrft.models.attention import resolve_attention, varlen_kwargs
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model
+from vlrft.models.sdpa_segments import SDPA_SEGMENTS
 from vlrft.models.value_model import load_value_model, token_values
 from vlrft.types import Rollout
 
@@ -143,7 +144,7 @@ BASE = "model: {path: m}\ndata: {train_path: d.jsonl}\n"
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.attention=flash"], "config key 'model.attention' is 'flash'; valid: auto, sdpa, flash_attention_2, torch_varlen"),
+    (["model.attention=flash"], "config key 'model.attention' is 'flash'; valid: auto, sdpa, sdpa_segments, flash_attention_2, torch_varlen"),
     (["model.compute_dtype=float16"], "config key 'model.compute_dtype' is 'float16'; valid: float32, bfloat16"),
     (["model.attention=flash_attention_2"], "flash_attention_2 needs model.compute_dtype: bfloat16"),
     (["model.attention=flash_attention_2", "model.compute_dtype=bfloat16"],
@@ -160,14 +161,14 @@ def test_attention_config_errors_name_the_key(tmp_path, overrides, message):
     assert "\n" not in str(err.value)
 
 
-def test_auto_attention_falls_back_to_sdpa_without_a_gpu(tmp_path):
+def test_auto_attention_falls_back_to_sdpa_segments_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("describes a machine without a GPU")
     (tmp_path / "cfg.yaml").write_text(BASE)
     cfg = load_config(tmp_path / "cfg.yaml", ["model.compute_dtype=bfloat16"])
     assert cfg.model.attention == "auto"
-    assert resolve_attention(cfg.model.attention, cfg.model.compute_dtype) == "sdpa"
-    assert resolve_attention("auto", "float32") == "sdpa"  # flash-attention never runs fp32
+    assert resolve_attention(cfg.model.attention, cfg.model.compute_dtype) == SDPA_SEGMENTS
+    assert resolve_attention("auto", "float32") == SDPA_SEGMENTS  # flash-attention never runs fp32
 
 
 def test_training_step_with_varlen_attention_matches_masked_packing(

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Iterator
 
-import deepspeed
 import torch
+
+# DeepSpeed warns at import that it found no GPU whenever it falls back to its CPU
+# accelerator; without CUDA that is the plan, so name the accelerator ourselves.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# ZeRO's partitioned all-gathers and reduce-scatters call torch collectives that torch marks
+# deprecated, once per step and rank. vlrft's own code calls neither (vlrft/distributed.py).
+warnings.filterwarnings(
+    "ignore",
+    message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    category=FutureWarning,
+)
+
+import deepspeed  # noqa: E402  (after the environment above)
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
 from vlrft.distributed import barrier, rank

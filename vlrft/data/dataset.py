@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vlrft.errors import VlrftError
 
-class DataError(ValueError):
+
+class DataError(VlrftError, ValueError):
     """A user-caused data problem; the message is one line naming the file, row and field."""
 
 

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from vlrft.config import ConfigError
+from vlrft.errors import ConfigError
 from vlrft.distributed import all_gather_objects, new_groups, rank, world_size
 from vlrft.engines.base import SamplingParams, derived_seed, make_rollout
 from vlrft.models.loader import is_vision_language, tied_parameter_aliases

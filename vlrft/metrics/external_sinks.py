@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlrft.errors import VlrftError
+
 WANDB_MODES = ("offline", "online")
 
 
-class MissingSinkPackage(ImportError):
+class MissingSinkPackage(VlrftError, ImportError):
     """A configured metric sink needs a package that is not installed."""
 
 

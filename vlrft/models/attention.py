@@ -8,8 +8,10 @@ Attention (`model.attention`):
   GPU, the flash-attn package and bf16 compute (flash-attention has no fp32 kernel).
 - `torch_varlen`: the same, on PyTorch's built-in varlen FlashAttention kernel (torch >= 2.10):
   no extra package to build (see torch_varlen.py).
+- `sdpa_segments`: no mask either; each sample's slice of the packed batch goes through causal
+  sdpa on its own (cost Σ L_i² instead of T²), on any device and in fp32 (see sdpa_segments.py).
 - `auto`: with bf16 compute on a GPU, flash_attention_2 where installed, else torch_varlen where
-  it can run; sdpa otherwise.
+  it can run; sdpa_segments on the CPU; sdpa otherwise.
 
 Compute precision (`model.compute_dtype`): `bfloat16` runs the decoder (vision tower included)
 and the LM head's matmul under torch.autocast; logsumexp, logprobs, entropy and the value head
@@ -27,9 +29,10 @@ from itertools import accumulate
 
 import torch
 
+from vlrft.models.sdpa_segments import SDPA_SEGMENTS
 from vlrft.models.torch_varlen import TORCH_VARLEN, torch_varlen_missing
 
-ATTENTION_CHOICES = ("auto", "sdpa", "flash_attention_2", "torch_varlen")
+ATTENTION_CHOICES = ("auto", "sdpa", "sdpa_segments", "flash_attention_2", "torch_varlen")
 VARLEN_KERNELS = ("flash_attention_2", "torch_varlen")  # mask-free choices, in auto's preference order
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,14 +80,15 @@ def resolve_attention(requested: str, compute_dtype: str) -> str:
     """The transformers attn_implementation for `model.attention` (config-checked already)."""
     if requested == "auto":
         kernels = VARLEN_KERNELS if compute_dtype == "bfloat16" else ()
-        requested = next((k for k in kernels if not attention_missing(k)), "sdpa")
-    return TORCH_VARLEN if requested == "torch_varlen" else requested
+        fallback = "sdpa" if torch.cuda.is_available() else "sdpa_segments"
+        requested = next((k for k in kernels if not attention_missing(k)), fallback)
+    return {"torch_varlen": TORCH_VARLEN, "sdpa_segments": SDPA_SEGMENTS}.get(requested, requested)
 
 
 def uses_varlen(backbone: torch.nn.Module) -> bool:
     """Whether the model's attention takes cumulative sequence lengths instead of a mask."""
     implementation = backbone.config._attn_implementation or ""
-    return implementation == TORCH_VARLEN or "flash" in implementation
+    return implementation in (TORCH_VARLEN, SDPA_SEGMENTS) or "flash" in implementation
 
 
 def block_causal_mask(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:

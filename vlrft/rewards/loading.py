@@ -12,7 +12,7 @@ import functools
 from importlib.metadata import entry_points
 from typing import Callable
 
-from vlrft.config import ConfigError
+from vlrft.errors import ConfigError
 from vlrft.registry import load_callable
 
 ENTRY_POINT_GROUP = "vlrft.reward_recipes"

@@ -19,11 +19,12 @@ from collections import Counter, defaultdict
 from typing import Callable
 
 from vlrft.config import RecipeSpec, RewardConfig, component_name
+from vlrft.errors import VlrftError
 from vlrft.rewards.guard import RecipeFailure, call_recipe
 from vlrft.rewards.loading import resolve_recipe
 
 
-class RewardError(RuntimeError):
+class RewardError(VlrftError, RuntimeError):
     """A reward problem that stops training; the message is one line naming the recipes."""
 
 

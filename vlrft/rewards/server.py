@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flask import Flask, jsonify, request
 
-from vlrft.config import ConfigError
+from vlrft.errors import ConfigError
 from vlrft.rewards.guard import RecipeFailure, call_recipe
 from vlrft.rewards.loading import resolve_recipe
 from vlrft.rewards.wire import decode_samples

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlrft.config import ConfigError
+from vlrft.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")

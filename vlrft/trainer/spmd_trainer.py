@@ -15,7 +15,8 @@ import torch
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
-from vlrft.config import Config, ConfigError, optimizer_steps_of_run, to_dict
+from vlrft.config import Config, optimizer_steps_of_run, to_dict
+from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream

@@ -11,6 +11,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from vlrft.errors import VlrftError
+
 TRAJECTORY_NAME = re.compile(r"step_(\d+)\.rank(\d+)\.jsonl")
 # Fields the report reads from every record; "entropy", "logprobs" and "response_tokens" are
 # optional (a run without per-token statistics still gets a report).
@@ -18,7 +20,7 @@ REQUIRED_FIELDS = ("id", "data_source", "group_id", "prompt_text", "images", "re
                    "components", "advantage", "response_length", "truncated", "correct")
 
 
-class ReportError(ValueError):
+class ReportError(VlrftError, ValueError):
     """A run directory the report cannot read: missing, without trajectories, or holding a
     malformed line. The message is one line naming the file (and line)."""
 

@@ -1,0 +1,69 @@
+"""`model.attention: sdpa_segments` (the CPU default of `auto`): a packed micro-batch runs
+without a [T, T] mask and matches per-sample forwards and the masked packed backward (fp32)."""
+
+from itertools import accumulate
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+import vlrft.models.sdpa_segments as sdpa_segments
+from tests.unit.test_torch_varlen import text_rollouts
+from vlrft.experience.collate import collate, gather_responses
+from vlrft.experience.packing import forward_inputs, pack
+from vlrft.models.attention import resolve_attention, uses_varlen
+from vlrft.models.forward import policy_forward
+from vlrft.models.loader import load_model
+from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+
+
+def segments_model(path: str):
+    return load_model(path, attention=resolve_attention("sdpa_segments", "float32")).eval()
+
+
+def test_auto_picks_segments_on_the_cpu_and_packing_sends_sample_starts(tiny_text, addition_data):
+    assert resolve_attention("auto", "float32") == SDPA_SEGMENTS == resolve_attention("auto", "bfloat16")
+    model = segments_model(tiny_text)
+    assert uses_varlen(model.model)
+    batch = pack(text_rollouts(tiny_text, addition_data))
+    inputs = forward_inputs(model, batch)
+    assert "attention_mask" not in inputs and inputs["cu_seq_lens_q"].tolist() == [0, *accumulate(batch.seq_lengths)]
+
+
+@pytest.fixture
+def segment_calls():
+    """Counts the decoder calls that reach the per-sample path (sample starts given)."""
+    calls = []
+
+    def counting(module, query, *args, cu_seq_lens_q=None, **kwargs):
+        calls.append(cu_seq_lens_q is not None)
+        return sdpa_segments.sdpa_segments_attention(module, query, *args, cu_seq_lens_q=cu_seq_lens_q, **kwargs)
+
+    AttentionInterface.register(SDPA_SEGMENTS, counting)
+    yield calls
+    AttentionInterface.register(SDPA_SEGMENTS, sdpa_segments.sdpa_segments_attention)
+
+
+def test_packed_vision_language_forward_equals_per_sample(mixed_rollouts, tiny_vl, segment_calls):
+    sdpa, segments = load_model(tiny_vl).eval(), segments_model(tiny_vl)
+    with torch.no_grad():
+        batch = pack(mixed_rollouts)
+        packed = policy_forward(segments, batch, 1.0)
+        logp, entropy = gather_responses(batch, packed.logp), gather_responses(batch, packed.entropy)
+        for i, rollout in enumerate(mixed_rollouts):
+            alone = collate([rollout], pad_id=0)
+            single = policy_forward(sdpa, alone, 1.0)
+            assert (logp[i] - gather_responses(alone, single.logp)[0]).abs().max() <= 1e-5
+            assert (entropy[i] - gather_responses(alone, single.entropy)[0]).abs().max() <= 1e-5
+    assert any(segment_calls) and not all(segment_calls)  # decoder layers split; vision windows go to sdpa
+
+
+def test_packed_gradients_equal_the_masked_packed_gradients(tiny_text, addition_data):
+    rollouts = text_rollouts(tiny_text, addition_data)
+    grads = []
+    for model in (load_model(tiny_text).eval(), segments_model(tiny_text)):
+        batch = pack(rollouts)
+        policy_forward(model, batch, 1.0).logp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].shape == grads[1].shape
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5 * max(1.0, float(grads[0].abs().max()))

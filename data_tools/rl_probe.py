@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import time
 
 import numpy as np
@@ -31,6 +30,7 @@ from data_tools.synth_shapes import COLOURS
 from data_tools.tiny_warmup import sft_batch
 from vlrft.algo.advantages import grpo_advantages
 from vlrft.algo.kl import KL_ESTIMATORS
+from vlrft.backends.deepspeed_backend import lr_scheduler
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.models.loader import load_model
@@ -79,9 +79,8 @@ def probe(args, seed: int) -> list[tuple[int, float]]:
     train = [(encoder.encode(r, i), r["answer"]) for i, r in enumerate(load_rows(f"{args.data}/train.jsonl"))]
     test = [(encoder.encode(r, i), r["answer"]) for i, r in enumerate(load_rows(f"{args.data}/test.jsonl"))]
     colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOURS]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    # The recipe's cosine schedule: to 10% of lr over the run.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / args.steps)))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
+    sched = lr_scheduler(opt, "cosine", 0, args.steps)  # the recipe's schedule
     rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     curve = []
     for step in range(args.steps + 1):
@@ -123,6 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("--kl-estimator", default="k3", choices=KL_ESTIMATORS.names())
     parser.add_argument("--entropy-coef", type=float, default=0.0)
+    parser.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's second-moment decay")
     parser.add_argument("--eval-every", type=int, default=10)
     args = parser.parse_args(argv)
     for seed in args.seeds:

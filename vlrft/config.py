@@ -345,7 +345,7 @@ def optimizer_steps_of_run(cfg: Config) -> int:
 
 
 def kl_estimator_name(kl: KLConfig) -> str:
-    """The estimator actually used: `auto` is k1 in the reward and k3 in the loss (ALGORITHMS.md)."""
+    """The estimator actually used: `auto` is k1 in the reward and k3 in the loss (docs/algorithms.md)."""
     if kl.estimator != "auto":
         return kl.estimator
     return "k1" if kl.placement == "reward" else "k3"

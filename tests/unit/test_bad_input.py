@@ -362,7 +362,7 @@ def test_empty_completions_go_through_rewards_experience_pass_and_update(files, 
     root = files[0]
     trainer = build(overrides(
         tiny_text, addition_data / "train.jsonl", tmp_path / "run", "rollout.rollout_prompts=2", "algo.kl.coef=0.1",
-        "algo.entropy_coef=0.01", "train.micro_batch_tokens=1",  # one sequence per micro-batch: some score nothing
+        "algo.entropy_coef=0.01", "train.micro_batch_tokens=1", "train.ppo_epochs=2",  # the pass computes old logprobs  # one sequence per micro-batch: some score nothing
         f"reward.default=[{{recipe: '{root / 'recipe.py'}:distinct_chars'}}, {{recipe: exact_match}}]",
     ))
     eos = stop_token_ids(trainer.encoder.tokenizer)[0]

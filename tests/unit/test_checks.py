@@ -24,9 +24,9 @@ def test_image_token_check(tiny_vl, tiny_text, colour_data):
 
 
 def test_experience_pass_drops_and_counts_a_bad_rollout(tiny_vl, colour_data, tmp_path, world_of_one, capsys):
-    from tests.unit.test_logprob_consistency import build_trainer
+    from tests.unit.test_logprob_consistency import SEVERAL_STEPS, build_trainer
 
-    trainer = build_trainer(tiny_vl, colour_data, tmp_path)  # KL on: rollout/kl is reported too
+    trainer = build_trainer(tiny_vl, colour_data, tmp_path, [SEVERAL_STEPS])  # KL on: rollout/kl is reported too
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
     scored = trainer.maker.generate_and_score(prompts)
     scored[0].rollout.response_ids = scored[0].rollout.response_ids + [trainer.image_check.image_token_id]

@@ -8,6 +8,11 @@ from vlrft.experience.collate import gather_responses
 from vlrft.models.forward import token_logprobs
 
 
+# Two epochs per batch: the experience pass computes the old logprobs itself (with one optimizer
+# step per batch the update's forward supplies them; tests/unit/test_old_from_update.py).
+SEVERAL_STEPS = "train.ppo_epochs=2"
+
+
 def build_trainer(model_path, data_dir, tmp_path, extra=()):
     from vlrft.trainer.spmd_trainer import SPMDTrainer
 
@@ -33,7 +38,7 @@ def build_trainer(model_path, data_dir, tmp_path, extra=()):
 @pytest.mark.parametrize("kind", ["text", "image"])
 def test_stored_logprobs_equal_trainer_forward(kind, tiny_text, tiny_vl, addition_data, colour_data, tmp_path, world_of_one):
     model, data = (tiny_text, addition_data) if kind == "text" else (tiny_vl, colour_data)
-    trainer = build_trainer(model, data, tmp_path)
+    trainer = build_trainer(model, data, tmp_path, [SEVERAL_STEPS])
     torch.manual_seed(1)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
     experiences, _ = trainer.maker.make(prompts)

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from tests.unit.test_logprob_consistency import build_trainer
+from tests.unit.test_logprob_consistency import SEVERAL_STEPS, build_trainer
 from vlrft.algo.correction import correction_weights, mismatch_sums
 
 # Two responses: 3 tokens and 2 tokens (+ padding). log r = old - engine per token.
@@ -52,7 +52,7 @@ def test_hf_engine_reports_the_logprobs_it_sampled_from(tiny_text, addition_data
     # temperature 0.7, no top-p, no banned tokens: the engine's sampling distribution is the
     # trainer's old policy. (With the vision tokens banned, as in training, the engine samples
     # from the policy renormalised without them: log(638/633) = 0.008 for this tiny model.)
-    trainer = build_trainer(tiny_text, addition_data, tmp_path)
+    trainer = build_trainer(tiny_text, addition_data, tmp_path, [SEVERAL_STEPS])
     trainer.engine.banned_ids = []
     torch.manual_seed(1)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
@@ -77,7 +77,7 @@ def stale_engine_experiences(trainer):
 
 
 def test_stale_engine_weights_are_masked_by_icepop_as_the_formulas_say(tiny_text, addition_data, tmp_path, world_of_one):
-    trainer = build_trainer(tiny_text, addition_data, tmp_path, ["algo.rollout_correction=icepop",
+    trainer = build_trainer(tiny_text, addition_data, tmp_path, [SEVERAL_STEPS, "algo.rollout_correction=icepop",
                                                                   "algo.rollout_correction_low=0.8",
                                                                   "algo.rollout_correction_high=1.25"])
     experiences, ratios, metrics = stale_engine_experiences(trainer)
@@ -92,14 +92,14 @@ def test_stale_engine_weights_are_masked_by_icepop_as_the_formulas_say(tiny_text
 
 
 def test_stale_engine_weights_are_truncated_by_tis_and_masked_by_mis(tiny_text, addition_data, tmp_path, world_of_one):
-    tis = build_trainer(tiny_text, addition_data, tmp_path / "tis", ["algo.rollout_correction=tis",
+    tis = build_trainer(tiny_text, addition_data, tmp_path / "tis", [SEVERAL_STEPS, "algo.rollout_correction=tis",
                                                                       "algo.rollout_correction_cap=1.1"])
     experiences, ratios, metrics = stale_engine_experiences(tis)
     for e, ratio in zip(experiences, ratios):
         torch.testing.assert_close(e.correction, ratio.clamp(max=1.1))
     assert (torch.cat(ratios) > 1.1).any()  # the cap binds
     # The stale engine's responses have geometric-mean ratios of about 0.5-0.85 here.
-    mis = build_trainer(tiny_text, addition_data, tmp_path / "mis", ["algo.rollout_correction=mis",
+    mis = build_trainer(tiny_text, addition_data, tmp_path / "mis", [SEVERAL_STEPS, "algo.rollout_correction=mis",
                                                                       "algo.rollout_correction_low=0.6",
                                                                       "algo.rollout_correction_high=1.0"])
     experiences, ratios, _ = stale_engine_experiences(mis)

@@ -14,7 +14,7 @@ def main(model_dir: str, train_path: str, out_dir: str) -> None:
     cfg = load_config(None, [
         f"model.path={model_dir}", f"data.train_path={train_path}", "rollout.engine=vllm",
         "rollout.vllm_memory_fraction=0.1", "rollout.rollout_prompts=4", "rollout.n_samples_per_prompt=2",
-        "rollout.max_new_tokens=8", "reward.default=[{recipe: exact_match}]", f"output.dir={out_dir}",
+        "rollout.max_new_tokens=8", "train.ppo_epochs=2", "reward.default=[{recipe: exact_match}]", f"output.dir={out_dir}",
     ])
     trainer = SPMDTrainer(cfg)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]

@@ -73,6 +73,10 @@ class MakerSettings:
     mask_truncated: bool = False
     image_check: ImageTokenCheck | None = None  # drops samples whose image tokens mismatch their pixels
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    # False when the batch feeds exactly one optimizer step (trainer/build.py): the old policy
+    # is then the one being updated, so the update's own forward supplies the old logprobs and
+    # entropy (ratio exactly 1) and `policy_metrics` runs after it; this pass skips the policy.
+    policy_pass: bool = True
 
 
 def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
@@ -144,21 +148,20 @@ class FastExperienceMaker:
             torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
         )  # [N]
         token_terms = pad_rows([torch.tensor(e.dense_reward or []) for e in experiences], width)  # [N, R]
-        metrics = token_metrics(rollouts, per_token["entropy"])
-        corrections = None
-        if engine_reports_logprobs(rollouts):
-            corrections, mismatch = self._rollout_correction(rollouts, pad_rows(per_token["old"], width), mask)
-            metrics |= mismatch
-        elif s.correction.mode != "none":
-            raise ValueError(f"algo.rollout_correction {s.correction.mode} needs an engine that reports its logprobs")
+        metrics = {}
+        for i, e in enumerate(experiences):
+            e.ref_logprobs = per_token["ref"][i] if self.reference is not None else None
+            if s.policy_pass:
+                e.old_logprobs, e.entropy = per_token["old"][i], per_token["entropy"][i]
+        if s.policy_pass:
+            metrics, corrections = self.policy_metrics(experiences, per_token["kl"] or None)
+            if corrections is not None and s.correction.mode != "none":
+                for i, e in enumerate(experiences):
+                    e.correction = corrections[i, : len(e.rollout.response_ids)].clone()
         if s.image_check is not None:
             metrics["rollout/skipped_samples"] = float(all_reduce_sum(torch.tensor([float(skipped)])))
-        if self.reference is not None:
-            kl = pad_rows(per_token["kl"], width)  # [N, R] rollout policy vs reference
-            if s.kl.placement == "reward":
-                token_terms = token_terms - s.kl.coef() * kl
-            seq_kl, count = all_reduce_sum(torch.tensor([(kl * mask).sum().item(), float(len(rollouts))])).tolist()
-            metrics |= {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
+        if self.reference is not None and s.kl.placement == "reward":
+            token_terms = token_terms - s.kl.coef() * pad_rows(per_token["kl"], width)  # rollout policy vs reference
         # Responses out of the loss (mask_truncated) are out of the advantage statistics too
         # (batch whitening, GAE): they get zero advantages and never shift anyone else's.
         in_loss = torch.tensor([not (s.mask_truncated and r.truncated) for r in rollouts], dtype=torch.float32)  # [N]
@@ -182,17 +185,40 @@ class FastExperienceMaker:
             returns = self.return_stats.normalize(returns) * estimated  # the critic's target space
         for i, e in enumerate(experiences):
             n = len(e.rollout.response_ids)
-            e.old_logprobs = per_token["old"][i]
-            e.entropy = per_token["entropy"][i]
-            e.ref_logprobs = per_token["ref"][i] if self.reference is not None else None
             e.advantages = advantages[i, :n].clone()
             if self.critic is not None:
                 e.values = per_token["values"][i]
                 e.returns = returns[i, :n].clone()
             e.in_loss = e.in_loss and bool(in_loss[i])
-            if corrections is not None and s.correction.mode != "none":
-                e.correction = corrections[i, :n].clone()
         return experiences, metrics
+
+    def policy_metrics(
+        self, experiences: list[Experience], kl: list[torch.Tensor] | None = None
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Metrics of the rollout policy over all ranks (a collective), from the experiences'
+        old logprobs and entropy: its token entropy, its gap to the engine, and its KL to the
+        reference (`kl`, per token, when the forward computed it; else the estimator on the
+        stored logprobs). Also the correction weights, [N, R], or None when the engine reports
+        no logprobs. Called by `finish`, or by the trainer after an update that filled them."""
+        s = self.settings
+        rollouts = [e.rollout for e in experiences]
+        width = max((len(r.response_ids) for r in rollouts), default=0)
+        mask = pad_rows([torch.ones(len(r.response_ids)) for r in rollouts], width)  # [N, R]
+        old = pad_rows([e.old_logprobs for e in experiences], width)  # [N, R]
+        metrics = token_metrics(rollouts, [e.entropy for e in experiences])
+        corrections = None
+        if engine_reports_logprobs(rollouts):
+            corrections, mismatch = self._rollout_correction(rollouts, old, mask)
+            metrics |= mismatch
+        elif s.correction.mode != "none":
+            raise ValueError(f"algo.rollout_correction {s.correction.mode} needs an engine that reports its logprobs")
+        if self.reference is not None:
+            if kl is None:
+                kl = [KL_ESTIMATORS.get(s.kl.estimator)(e.old_logprobs, e.ref_logprobs) for e in experiences]
+            kl_sum = float(sum(t.sum() for t in kl))
+            seq_kl, count = all_reduce_sum(torch.tensor([kl_sum, float(len(rollouts))])).tolist()
+            metrics |= {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
+        return metrics, corrections
 
     def _rollout_correction(self, rollouts: list[Rollout], old: torch.Tensor, mask: torch.Tensor):
         """(per-token weights [N, R], metrics over all ranks) from the engine's own logprobs: how
@@ -248,14 +274,16 @@ class FastExperienceMaker:
         out: dict[str, list[torch.Tensor]] = {"old": [], "entropy": [], "ref": [], "kl": [], "values": []}
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits
         for batch in batches:
-            policy = policy_forward(self.policy(), batch, temperature, keep_logits=full)
-            found = {"old": policy.logp, "entropy": policy.entropy}
+            found = {}
+            if s.policy_pass:
+                policy = policy_forward(self.policy(), batch, temperature, keep_logits=full)
+                found |= {"old": policy.logp, "entropy": policy.entropy}
             if self.reference is not None:
                 ref = policy_forward(self.reference, batch, temperature, keep_logits=full)
                 found["ref"] = ref.logp
                 if s.kl.estimator == FULL_KL:
                     found["kl"] = torch.nn.functional.pad(full_kl(policy.logits, ref.logits), (1, 0))
-                else:
+                elif s.policy_pass:
                     found["kl"] = KL_ESTIMATORS.get(s.kl.estimator)(policy.logp, ref.logp)
             if self.critic is not None:
                 found["values"] = token_values(self.critic(), batch)

@@ -3,7 +3,9 @@
 Using the same function (same collation, same model inputs, same temperature scaling) for
 rollout-time and training-time logprobs is what makes the PPO ratio exactly 1 before the
 first update (in fp32; with bf16 compute a token's logprob also depends on how its micro-batch
-was packed, so the first-epoch ratio carries bf16 rounding noise of about 1e-3).
+was packed, so the first-epoch ratio carries bf16 rounding noise of about 1e-3 when the
+experience pass computes the old logprobs; with one optimizer step per batch the update's own
+forward supplies them and the ratio is exactly 1 in any precision).
 
 Precision: the decoder and the LM head's matmul run in the compute dtype (autocast; in fp32
 nothing changes); the logits are then taken to fp32 for logsumexp, logprobs and entropy, so

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.algo.estimate import AdvantageOptions
-from vlrft.algo.kl import AdaptiveKLController, FixedKLController
+from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
 from vlrft.config import Config, kl_estimator_name
 from vlrft.engines import SamplingParams
@@ -43,6 +43,22 @@ def kl_controller(cfg: Config) -> FixedKLController:
     return FixedKLController(kl.coef)
 
 
+def old_logprobs_from_update(cfg: Config) -> bool:
+    """Whether the update's forward can supply the old logprobs, skipping the experience pass's
+    policy forward: when the batch feeds exactly one optimizer step the old policy is the one
+    being updated (ratio exactly 1). Not when anything before the update needs the policy's
+    logprobs: the KL in the reward, the exact-vocabulary KL (it needs the policy's logits), or
+    actor-frozen critic warm-up steps (no update fills them)."""
+    algo = cfg.algo
+    needs_policy_kl = algo.kl.coef > 0 and (algo.kl.placement == "reward" or kl_estimator_name(algo.kl) == FULL_KL)
+    return (
+        cfg.train.ppo_epochs == 1
+        and cfg.train.mini_batches == 1
+        and cfg.critic.freeze_actor_steps == 0
+        and not needs_policy_kl
+    )
+
+
 def maker_settings(cfg: Config, controller: FixedKLController, image_check=None) -> MakerSettings:
     rollout = cfg.rollout
     return MakerSettings(
@@ -64,4 +80,5 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None)
             cfg.algo.rollout_correction_low,
             cfg.algo.rollout_correction_high,
         ),
+        policy_pass=not old_logprobs_from_update(cfg),
     )

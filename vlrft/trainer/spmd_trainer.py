@@ -241,15 +241,12 @@ class SPMDTrainer:
             metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
         # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
-        experiences, kl_metrics = self.maker.finish(kept, placeholder)
+        experiences, made_metrics = self.maker.finish(kept, placeholder)
         made = time.perf_counter()
         self.buffer.clear()
         self.buffer.add(experiences or [placeholder])
         mark_correct(generated, self.rewards)
-        metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | kl_metrics
-        metrics |= trajectory_metrics(experiences)
-        if self.saver.due(self.step, cfg.train.total_steps):
-            self.saver.save(self.step, experiences, [e.correct for e in experiences])
+        metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | made_metrics
         self._check_rewards_not_all_zero(generated)
         self.engine.sleep()  # the update needs the engine's accelerator memory
         if self.critic is not None:
@@ -260,14 +257,19 @@ class SPMDTrainer:
             ptx = self.ptx.next_examples() if self.ptx is not None else []
             metrics |= policy_update(
                 self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
-                self.image_check,
+                self.image_check, old_from_update=not self.maker.settings.policy_pass,
             )
+        if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
+            metrics |= self.maker.policy_metrics(experiences)[0]
+        metrics |= trajectory_metrics(experiences)
+        if self.saver.due(self.step, cfg.train.total_steps):
+            self.saver.save(self.step, experiences, [e.correct for e in experiences])
         self.engine.wake()
         if actor_updates:
             self._sync_weights()
         if self.reference is not None:
             metrics["train/kl_coef"] = self.kl_controller.coef
-            self.kl_controller.update(kl_metrics["rollout/kl"], int(kl_metrics["rollout/sequences"]))
+            self.kl_controller.update(metrics["rollout/kl"], int(metrics["rollout/sequences"]))
         metrics["perf/experience_seconds"] = made - start
         metrics["perf/step_seconds"] = time.perf_counter() - start
         return metrics

@@ -7,12 +7,13 @@ import torch
 
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
+from vlrft.algo.correction import correction_weights
 from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config, kl_estimator_name
-from vlrft.experience.collate import pad_rows, response_rows, rollout_of
+from vlrft.experience.collate import gather_responses, pad_rows, response_rows, rollout_of
 from vlrft.experience.packing import pack, split_by_token_budget
 from vlrft.experience.replay_buffer import pad_micro_batch_count
 from vlrft.models.forward import policy_forward
@@ -36,6 +37,26 @@ def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -
     """A per-token Experience field ([R_i] each, kept on the CPU between the experience pass
     and the update) in the loss layout, moved to `on` in one copy. [S, R]."""
     return pad_rows([getattr(e, field) for e in batch.samples], device=on)
+
+
+def engine_rows(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
+    """The engine's logprob of each sampled response token in the loss layout ([S, R]); zeros
+    for a sample whose engine reported none (a dummy's placeholder)."""
+    rows = []
+    for s in batch.samples:
+        r = rollout_of(s)
+        rows.append(torch.tensor(r.logprobs if r.logprobs is not None else [0.0] * len(r.response_ids)))
+    return pad_rows(rows, device=on)
+
+
+def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+    """Store the update forward's logprobs and entropy ([B, L], detached) as the samples' old
+    logprobs and entropy (the batch feeds one optimizer step: the rollout policy is the one
+    being updated), kept on the CPU like the experience pass's."""
+    if batch.dummy:
+        return
+    for sample, old, h in zip(batch.samples, gather_responses(batch, logp, "cpu"), gather_responses(batch, entropy, "cpu")):
+        sample.old_logprobs, sample.entropy = old, h
 
 
 def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[MicroBatch], int]:
@@ -129,12 +150,14 @@ def policy_update(
     reference: torch.nn.Module | None = None,
     ptx: list[Rollout] = (),
     image_check=None,
+    old_from_update: bool = False,
 ) -> dict[str, float]:
     """`ppo_epochs` passes over the buffer, `train.mini_batches` optimizer steps each. `kl_coef`
     is the controller's current beta (used when the KL is in the loss); `ptx` are this rank's
     supervised examples for the step (in every optimizer step); `image_check` (an
     ImageTokenCheck) guards each micro-batch before its forward. Step metrics are the last
-    optimizer step's."""
+    optimizer step's. Without the experience pass's policy forward (`old_from_update`, one
+    optimizer step per batch) the forward here fills each sample's old logprobs and entropy."""
     algo = cfg.algo
     metrics: dict[str, float] = {}
     epochs_run = skipped = nonfinite = steps = 0
@@ -153,7 +176,7 @@ def policy_update(
         for batches in mini_batches:
             if not batches:
                 continue
-            step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference)
+            step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference, old_from_update)
             nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
             metrics |= step_metrics
             steps += 1
@@ -172,9 +195,9 @@ def step_micro_batches(batches: list[MicroBatch], image_check) -> tuple[list[Mic
     return drop_bad_micro_batches(batches, image_check)
 
 
-def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference) -> dict[str, float]:
+def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference, old_from_update) -> dict[str, float]:
     """One optimizer step over the micro-batches; its metrics, or {} when it was skipped for a
-    non-finite loss."""
+    non-finite loss. `old_from_update`: the old logprobs are this forward's own, detached."""
     algo = cfg.algo
     temperature = cfg.rollout.temperature
     kl_in_loss = kl_coef > 0 and algo.kl.placement == "loss"
@@ -203,11 +226,22 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             sums[5] += nll.detach()
         else:
             entropy = response_rows(batch, out.entropy) if need_entropy else torch.zeros_like(logp)  # [S, R]
-            old = sample_rows(batch, "old_logprobs", here)  # [S, R]
+            if old_from_update:
+                keep_policy_terms(batch, out.logp.detach(), out.entropy.detach())
+                old = logp.detach()  # [S, R] the ratio is exactly 1
+            else:
+                old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             adv = sample_rows(batch, "advantages", here)  # [S, R]
             pg, clip_hit = policy_loss(algo.policy_loss, logp, old, adv, mask, loss_settings(algo))
-            if algo.rollout_correction != "none":
-                pg = pg * sample_rows(batch, "correction", here)  # engine-mismatch weights (algo/correction.py)
+            if algo.rollout_correction != "none":  # engine-mismatch weights (algo/correction.py)
+                if old_from_update:
+                    weights = correction_weights(
+                        old, engine_rows(batch, here), mask, algo.rollout_correction, algo.rollout_correction_cap,
+                        algo.rollout_correction_low, algo.rollout_correction_high,
+                    )
+                else:
+                    weights = sample_rows(batch, "correction", here)
+                pg = pg * weights
             if algo.high_entropy_token_ratio > 0:
                 # Threshold over this micro-batch's valid tokens on every rank; only the
                 # policy-gradient term is masked, the denominator stays the full token count.

@@ -29,7 +29,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from vlrft.backends.deepspeed_backend import DeepSpeedBackend
 from vlrft.distributed import init_distributed
-from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import enable_gradient_checkpointing

@@ -25,8 +25,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from vlrft.experience.collate import collate
-from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.models.collate import collate
+from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.types import Prompt, Rollout

@@ -29,7 +29,7 @@ from data_tools.synth_shapes import (
     format_answer,
     render_shape,
 )
-from vlrft.experience.collate import collate
+from vlrft.models.collate import collate
 from vlrft.types import Rollout
 
 IMAGE_SIZE = 56  # a 56x56 image -> grid (1, 4, 4) -> 16 patches -> 4 tokens after 2x2 merge

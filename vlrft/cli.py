@@ -9,7 +9,7 @@ import json
 import sys
 
 from vlrft.config import load_config
-from vlrft.errors import VlrftError
+from vlrft.errors import ConfigError, VlrftError
 from vlrft.trajectory.report import DEFAULT_TOP_K, write_report
 
 

@@ -72,7 +72,7 @@ class Experience:
 class MicroBatch:
     """Sequences for one forward pass: right-padded rows ([B, L]) or packed into one row
     ([1, T], `seq_lengths` set; how samples are kept apart is up to the attention kernel, see
-    experience/packing.forward_inputs)."""
+    models/packing.forward_inputs)."""
 
     input_ids: torch.Tensor  # [B, L] or [1, T]
     attention_mask: torch.Tensor | None  # [B, L] padding mask; None when packed

@@ -10,8 +10,8 @@ CPUs: tests/unit/test_varlen_attention.py and tests/unit/test_torch_varlen.py.
 import pytest
 import torch
 
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import pack
+from vlrft.models.collate import collate, gather_responses
+from vlrft.models.packing import pack
 from vlrft.models.attention import attention_missing, resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model

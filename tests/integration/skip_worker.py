@@ -13,7 +13,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
     from vlrft.data.dataset import load_rows
     from vlrft.data.encoding import PromptEncoder
     from vlrft.experience.checks import ImageTokenCheck
-    from vlrft.experience.packing import pack
+    from vlrft.models.packing import pack
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import load_model
     from vlrft.distributed import init_distributed

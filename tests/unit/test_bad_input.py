@@ -220,7 +220,7 @@ class FixedBuffer:
         self.experiences = experiences
 
     def mini_batches(self, count, shuffle):
-        from vlrft.experience.packing import pack
+        from vlrft.models.packing import pack
 
         return [[pack([e]) for e in self.experiences]]  # one mini-batch, in order
 

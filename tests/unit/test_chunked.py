@@ -40,7 +40,7 @@ def test_no_tokens_gives_empty_results():
 def test_response_only_forward_equals_the_full_logits_forward(tiny_vl, colour_data):
     from vlrft.data.dataset import load_rows
     from vlrft.data.encoding import PromptEncoder
-    from vlrft.experience.collate import collate
+    from vlrft.models.collate import collate
     from vlrft.models.loader import load_model
     from vlrft.types import Rollout
 

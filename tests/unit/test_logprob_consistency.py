@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vlrft.config import load_config
-from vlrft.experience.collate import gather_responses
+from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
 
 

@@ -10,7 +10,7 @@ import torch
 from tests.unit.test_config_wiring import RECIPE
 from vlrft.backends.deepspeed_backend import deepspeed_config
 from vlrft.config import ConfigError, load_config
-from vlrft.experience.packing import pack
+from vlrft.models.packing import pack
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import enable_gradient_checkpointing, load_model
 from vlrft.trainer.spmd_trainer import SPMDTrainer, load_reference

@@ -63,11 +63,16 @@ def test_one_mini_batch_is_the_whole_batch_update(tiny_text, addition_data, tmp_
     assert torch.equal(runs[0], runs[1])
 
 
-def test_a_rank_with_fewer_samples_than_mini_batches_gets_dummy_micro_batches(tiny_text, addition_data, tmp_path, world_of_one):
+def test_a_rank_with_fewer_samples_than_mini_batches_gets_dummy_micro_batches(tiny_text, addition_data, tmp_path,
+                                                                            world_of_one, monkeypatch):
+    import vlrft.models.packing as packing
+
     trainer = build_trainer(tiny_text, addition_data, tmp_path, ["train.mini_batches=4"])
     experiences = scored_experiences(trainer)[:2]
     trainer.buffer.add(experiences)
+    monkeypatch.setattr(packing, "all_reduce_max_int", lambda n: max(n, 1))  # a peer has a micro-batch in each
     plan = trainer.buffer.mini_batches(4, shuffle=True)
     assert len(plan) == 4 and [len(mb) for mb in plan] == [1, 1, 1, 1]
     assert sorted(mb[0].dummy for mb in plan) == [False, False, True, True]
+    assert all(mb[0].input_ids.shape == (1, 1) for mb in plan if mb[0].dummy)  # one token, not a repeat
     assert {id(s) for mb in plan for b in mb if not b.dummy for s in b.samples} == {id(e) for e in experiences}

@@ -4,7 +4,7 @@ import torch
 
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.experience.collate import collate
+from vlrft.models.collate import collate
 from vlrft.models.forward import token_logprobs
 from vlrft.models.loader import load_model
 from vlrft.types import Rollout

@@ -6,13 +6,13 @@ import torch
 
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import pack, position_ids, split_by_token_budget
+from vlrft.models.collate import collate, gather_responses
+from vlrft.models.packing import pack, position_ids, split_by_token_budget
 from vlrft.models.attention import block_causal_mask
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model
 from vlrft.models.value_model import load_value_model, token_values
-from vlrft.types import Rollout
+from vlrft.types import Prompt, Rollout
 
 
 def test_block_causal_mask_by_hand():
@@ -27,14 +27,41 @@ def test_block_causal_mask_by_hand():
     assert torch.equal(mask, expected)
 
 
-def test_split_by_token_budget_sums_lengths():
-    class S:  # a sample of a given total length
-        def __init__(self, n):
-            self.rollout = Rollout(prompt=type("P", (), {"prompt_ids": [0] * n})(), group_id=0, response_ids=[],
-                                   response_text="", truncated=False)
+class S:  # a sample of a given total length
+    def __init__(self, n, mm_inputs=None):
+        prompt = Prompt("p", "src", "", {}, "", list(range(1, n + 1)), mm_inputs=mm_inputs or {})
+        self.rollout = Rollout(prompt=prompt, group_id=0, response_ids=[], response_text="", truncated=False)
 
-    groups = split_by_token_budget([S(4), S(5), S(2), S(12), S(1)], 10)
-    assert [[len(s.rollout.prompt.prompt_ids) for s in g] for g in groups] == [[4, 5], [2], [12], [1]]
+
+def lengths(groups) -> list[list[int]]:
+    return [[len(s.rollout.prompt.prompt_ids) for s in g] for g in groups]
+
+
+def test_split_by_token_budget_is_first_fit_decreasing():
+    # Longest first: 12 alone (over budget), 5 opens a group, 4 joins it (9), 2 does not fit
+    # (11) and opens a third, 1 fills the second to 10. Groups keep the input order.
+    assert lengths(split_by_token_budget([S(4), S(5), S(2), S(12), S(1)], 10)) == [[12], [4, 5, 1], [2]]
+    # A consecutive split would need 4 micro-batches here: [6], [6], [4, 4], [4] -> FFD: 3.
+    assert lengths(split_by_token_budget([S(6), S(4), S(6), S(4), S(4)], 10)) == [[6, 4], [6, 4], [4]]
+
+
+def test_micro_batches_even_out_the_count_with_one_token_dummies(monkeypatch):
+    import vlrft.models.packing as packing
+
+    monkeypatch.setattr(packing, "all_reduce_max_int", lambda n: n + 2)  # a peer has two micro-batches more
+    batches = packing.micro_batches([S(4), S(9)], 10)
+    assert [b.dummy for b in batches] == [False, False, True, True]
+    for dummy in batches[2:]:  # the shortest prompt's first token, an empty response, out of the loss
+        assert dummy.input_ids.tolist() == [[1]] and dummy.response_mask.sum() == 0
+        assert not dummy.samples[0].in_loss and dummy.samples[0].advantages.numel() == 0
+    image = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    vl_dummy = packing.micro_batches([S(7, image), S(9, image)], 100)[-1]  # an image prompt stays whole
+    assert vl_dummy.input_ids.shape == (1, 7) and vl_dummy.mm_inputs["pixel_values"].shape == (16, 8)
+    monkeypatch.setattr(packing, "all_reduce_max_int", lambda n: 1)  # this rank has none, a peer has one
+    (placeholder_dummy,) = packing.micro_batches([], 10, placeholder=S(3))
+    assert placeholder_dummy.dummy and placeholder_dummy.input_ids.tolist() == [[1]]
+    with pytest.raises(ValueError, match="needs a placeholder"):
+        packing.micro_batches([], 10)
 
 
 def test_packed_pixel_inputs_follow_sample_order(mixed_rollouts):

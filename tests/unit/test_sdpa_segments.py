@@ -9,8 +9,8 @@ from transformers import AttentionInterface
 
 import vlrft.models.sdpa_segments as sdpa_segments
 from tests.unit.test_torch_varlen import text_rollouts
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import forward_inputs, pack
+from vlrft.models.collate import collate, gather_responses
+from vlrft.models.packing import forward_inputs, pack
 from vlrft.models.attention import resolve_attention, uses_varlen
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model

@@ -13,8 +13,8 @@ import vlrft.models.torch_varlen as torch_varlen
 from tests.unit.test_varlen_attention import per_sample
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import forward_inputs, pack
+from vlrft.models.collate import collate, gather_responses
+from vlrft.models.packing import forward_inputs, pack
 from vlrft.models.attention import resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model

@@ -2,7 +2,7 @@
 
 import torch
 
-from vlrft.experience.collate import collate, gather_responses
+from vlrft.models.collate import collate, gather_responses
 from vlrft.models.value_model import ValueModel, load_value_model, token_values
 from tests.unit.test_logprob_consistency import build_trainer
 

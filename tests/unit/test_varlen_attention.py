@@ -14,8 +14,8 @@ from tests.reference_flash import reference_flash  # noqa: F401 (fixture)
 from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.experience.collate import collate, gather_responses
-from vlrft.experience.packing import forward_inputs, pack
+from vlrft.models.collate import collate, gather_responses
+from vlrft.models.packing import forward_inputs, pack
 from vlrft.models.attention import resolve_attention, varlen_kwargs
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model

@@ -9,7 +9,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
-from vlrft.experience.collate import concat_mm_inputs, mm_token_type_ids
+from vlrft.models.collate import concat_mm_inputs, mm_token_type_ids
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlrft.experience.collate import rollout_of
+from vlrft.models.collate import rollout_of
 
 
 @dataclass

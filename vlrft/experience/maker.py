@@ -16,9 +16,8 @@ from vlrft.algo.value import ReturnStats
 from vlrft.data.dataset import user_text
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.checks import ImageTokenCheck
-from vlrft.experience.collate import gather_responses, pad_rows
-from vlrft.experience.packing import pack, split_by_token_budget
-from vlrft.experience.replay_buffer import pad_micro_batch_count
+from vlrft.models.collate import gather_responses, pad_rows
+from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
 from vlrft.rewards.mix import RewardMix
@@ -263,15 +262,9 @@ class FastExperienceMaker:
         and values, with the trainer's own forward, one micro-batch at a time. With no rollouts,
         `placeholder` is run as a dummy micro-batch so this rank still joins its peers' forwards."""
         s = self.settings
-        batches = [pack(g) for g in split_by_token_budget(rollouts, s.micro_batch_tokens)]
-        if not batches:
-            if placeholder is None:
-                raise ValueError("the experience pass needs at least one rollout on every rank")
-            batches = [pack([placeholder], dummy=True)]
-        # Same number of forwards on every rank: sharded models gather inside forward.
-        batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
+        batches = micro_batches(rollouts, s.micro_batch_tokens, placeholder)
         temperature = s.sampling.temperature
-        out: dict[str, list[torch.Tensor]] = {"old": [], "entropy": [], "ref": [], "kl": [], "values": []}
+        found_for: dict[int, dict[str, torch.Tensor]] = {}  # id(rollout) -> its tensors (packing reorders)
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits
         for batch in batches:
             found = {}
@@ -291,5 +284,8 @@ class FastExperienceMaker:
                 for key, value in found.items():
                     # Experiences wait for the update on the CPU: accelerator memory is the
                     # update's, and each micro-batch moves its own rows back (update.py).
-                    out[key] += gather_responses(batch, value, "cpu")
-        return out
+                    for rollout, row in zip(batch.samples, gather_responses(batch, value, "cpu")):
+                        found_for.setdefault(id(rollout), {})[key] = row
+        computed = {key for found in found_for.values() for key in found}
+        return {key: [found_for[id(r)][key] for r in rollouts] if key in computed else []
+                for key in ("old", "entropy", "ref", "kl", "values")}

@@ -7,20 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from vlrft.experience.packing import pack, split_by_token_budget
+from vlrft.models.packing import micro_batches
 from vlrft.types import Experience, MicroBatch
-
-
-def pad_micro_batch_count(batches: list[MicroBatch], count: int) -> list[MicroBatch]:
-    """Append dummy repeats up to `count`, so every rank runs the same number of forwards.
-
-    ZeRO-3 gathers parameters inside each forward and ZeRO-2 reduces gradients inside each
-    backward: a rank with fewer micro-batches than its peers would hang the collective.
-    """
-    if not batches:
-        raise ValueError("cannot pad an empty list of micro-batches")
-    extra = [pack(batches[-1].samples, dummy=True) for _ in range(count - len(batches))]
-    return batches + extra
 
 
 class ReplayBuffer:
@@ -43,14 +31,12 @@ class ReplayBuffer:
 
     def mini_batches(self, count: int, shuffle: bool) -> list[list[MicroBatch]]:
         """The buffer in `count` mini-batches (one optimizer step each), each as packed
-        micro-batches: one shuffle, then consecutive near-equal runs of samples. A mini-batch
-        left without samples (fewer samples than `count` on this rank) is one dummy
-        micro-batch, so this rank still joins every step's collectives."""
+        micro-batches, as many on every rank (a collective, models/packing.micro_batches): one
+        shuffle, then consecutive near-equal runs of samples. A mini-batch left without samples
+        on this rank (fewer samples than `count`) runs dummies, so the rank joins every step."""
         order = torch.randperm(len(self.items), generator=self.generator).tolist() if shuffle else range(len(self))
         samples = [self.items[i] for i in order]
         bounds = [round(k * len(samples) / count) for k in range(count + 1)]
-        out = []
-        for start, end in zip(bounds, bounds[1:]):
-            groups = split_by_token_budget(samples[start:end], self.micro_batch_tokens)
-            out.append([pack(g) for g in groups] or [pack(self.items[:1], dummy=True)])
-        return out
+        placeholder = self.items[0] if self.items else None
+        return [micro_batches(samples[start:end], self.micro_batch_tokens, placeholder)
+                for start, end in zip(bounds, bounds[1:])]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.algo.entropy import token_entropy
-from vlrft.experience.packing import forward_inputs
+from vlrft.models.packing import forward_inputs
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
 from vlrft.types import MicroBatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlrft.experience.packing import forward_inputs
+from vlrft.models.packing import forward_inputs
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import MicroBatch

@@ -16,20 +16,15 @@ import torch
 from vlrft.data.dataset import DataError, read_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.distributed import all_reduce_sum
-from vlrft.types import Experience, Prompt, Rollout
+from vlrft.models.packing import empty_response
+from vlrft.types import Experience, Prompt
 
 
 def placeholder(prompt: Prompt) -> Experience:
-    """An experience that runs the model on `prompt` with an empty response and adds nothing:
-    no response tokens, out of the loss and its denominators, never scored or logged. A rank
-    whose prompts were all skipped runs it through the experience pass and the update, so it
-    makes the same forwards, backwards and collectives as its peers."""
-    rollout = Rollout(prompt=prompt, group_id=-1, response_ids=[], response_text="", truncated=False)
-    empty = torch.zeros(0)
-    return Experience(
-        rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, advantages=empty, values=empty, returns=empty,
-        entropy=empty, correction=empty, in_loss=False,
-    )
+    """An empty-response experience on `prompt` (models/packing.empty_response). A rank whose
+    prompts were all skipped runs it through the experience pass and the update, so it makes
+    the same forwards, backwards and collectives as its peers."""
+    return empty_response(prompt)
 
 
 class BadInput:

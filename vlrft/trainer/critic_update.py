@@ -9,14 +9,14 @@ from vlrft.algo import aggregate
 from vlrft.algo.value import value_loss
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config
-from vlrft.experience.collate import response_rows
+from vlrft.models.collate import response_rows
 from vlrft.models.value_model import token_values
 from vlrft.distributed import all_reduce_sum, device
 from vlrft.trainer.update import (
     backward_guarded,
     loss_mask,
     sample_rows,
-    step_micro_batches,
+    drop_bad_micro_batches,
     step_normalisers,
     step_or_skip,
 )
@@ -27,7 +27,7 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
     skipped_steps = 0  # optimizer steps skipped for a non-finite value loss
     plan = [mb for _ in range(cfg.train.ppo_epochs) for mb in buffer.mini_batches(cfg.train.mini_batches, shuffle=True)]
     for batches in plan:
-        batches, _ = step_micro_batches(batches, image_check)
+        batches, _ = drop_bad_micro_batches(batches, image_check)
         if not batches:
             continue
         total_tokens, total_seqs = step_normalisers(batches)

@@ -13,11 +13,10 @@ from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config, kl_estimator_name
-from vlrft.experience.collate import gather_responses, pad_rows, response_rows, rollout_of
-from vlrft.experience.packing import pack, split_by_token_budget
-from vlrft.experience.replay_buffer import pad_micro_batch_count
+from vlrft.models.collate import gather_responses, pad_rows, response_rows, rollout_of
+from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
-from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum, device, rank, world_size
+from vlrft.distributed import all_gather_1d, all_reduce_sum, device, rank, world_size
 from vlrft.types import MicroBatch, Rollout
 
 
@@ -133,10 +132,9 @@ def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[
 
 def ptx_batches(examples: list[Rollout], micro_batch_tokens: int) -> tuple[list[MicroBatch], float]:
     """This step's supervised micro-batches (same count on every rank) and the global token count."""
-    if not all_reduce_max_int(len(examples)):
+    batches = micro_batches(examples, micro_batch_tokens)
+    if not batches:
         return [], 0.0
-    batches = [pack(g) for g in split_by_token_budget(examples, micro_batch_tokens)]
-    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
     tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches)], dtype=torch.float32))
     return batches, float(tokens)
 
@@ -165,7 +163,7 @@ def policy_update(
     for epoch in range(cfg.train.ppo_epochs):
         mini_batches = []
         for batches in buffer.mini_batches(cfg.train.mini_batches, shuffle=True):
-            batches, bad = step_micro_batches(batches, image_check)
+            batches, bad = drop_bad_micro_batches(batches, image_check)
             skipped += bad
             mini_batches.append(batches)
         if epoch > 0 and (algo.early_stop_ratio > 0 or algo.target_kl > 0):
@@ -186,13 +184,6 @@ def policy_update(
     metrics["train/skipped_micro_batches"] = float(skipped)
     metrics["train/skipped_nonfinite_steps"] = float(nonfinite)
     return metrics
-
-
-def step_micro_batches(batches: list[MicroBatch], image_check) -> tuple[list[MicroBatch], int]:
-    """One optimizer step's micro-batches, the same count on every rank (dummy repeats), minus
-    those that would crash the forward on some rank. Returns them and how many were dropped."""
-    batches = pad_micro_batch_count(batches, all_reduce_max_int(len(batches)))
-    return drop_bad_micro_batches(batches, image_check)
 
 
 def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference, old_from_update) -> dict[str, float]:

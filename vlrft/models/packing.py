@@ -2,32 +2,77 @@
 block-diagonal causal attention mask (sdpa) or by the varlen kernel's sample starts (flash-
 attention), with per-sample position ids (3-D M-RoPE for Qwen-VL).
 
-No padding is processed; a sample's pixel inputs travel with it in sample order.
+No padding is processed; a sample's pixel inputs travel with it in sample order. `micro_batches`
+is the one way the experience pass, the update and the critic cut their samples into micro-batches.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from vlrft.experience.collate import concat_mm_inputs, rollout_of, sequence_length
+from vlrft.distributed import all_reduce_max_int
 from vlrft.models.attention import block_causal_mask, uses_varlen, varlen_kwargs
-from vlrft.types import MicroBatch
+from vlrft.models.collate import concat_mm_inputs, rollout_of, sequence_length
+from vlrft.types import Experience, MicroBatch, Prompt, Rollout
 
 
 def split_by_token_budget(samples: list, micro_batch_tokens: int) -> list[list]:
-    """Greedy consecutive split so each group's total length fits the budget (a lone longer
-    sample forms its own group)."""
-    groups, current, total = [], [], 0
-    for sample in samples:
-        length = sequence_length(sample)
-        if current and total + length > micro_batch_tokens:
-            groups.append(current)
-            current, total = [], 0
-        current.append(sample)
-        total += length
-    if current:
-        groups.append(current)
-    return groups
+    """First-fit decreasing: samples longest first, each into the first group with room for it
+    (a lone longer sample forms its own group). Fewer, fuller groups than a consecutive split
+    when lengths are skewed; each group keeps its samples in their input order."""
+    lengths = [sequence_length(s) for s in samples]
+    groups: list[list[int]] = []
+    room: list[int] = []  # tokens left in each group
+    for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
+        fits = next((g for g, free in enumerate(room) if lengths[i] <= free), None)
+        if fits is None:
+            groups.append([i])
+            room.append(micro_batch_tokens - lengths[i])
+        else:
+            groups[fits].append(i)
+            room[fits] -= lengths[i]
+    return [[samples[i] for i in sorted(group)] for group in groups]
+
+
+def empty_response(prompt: Prompt) -> Experience:
+    """An experience that runs the model on `prompt` with an empty response and adds nothing:
+    no response tokens, out of the loss and its denominators, never scored or logged."""
+    rollout = Rollout(prompt=prompt, group_id=-1, response_ids=[], response_text="", truncated=False)
+    empty = torch.zeros(0)
+    return Experience(
+        rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, advantages=empty, values=empty, returns=empty,
+        entropy=empty, correction=empty, in_loss=False,
+    )
+
+
+def dummy_sample(samples: list) -> Experience:
+    """What a micro-batch that only evens out the count runs: an empty response on the shortest
+    prompt, cut to its first token for a text prompt; an image prompt stays whole, because the
+    vision tower must run on every rank (ZeRO-3 gathers its parameters inside the forward)."""
+    prompt = min((rollout_of(s).prompt for s in samples), key=lambda p: len(p.prompt_ids))
+    if not prompt.mm_inputs:
+        prompt = replace(prompt, prompt_ids=prompt.prompt_ids[:1], mm_token_types=[])
+    return empty_response(prompt)
+
+
+def micro_batches(samples: list, micro_batch_tokens: int, placeholder=None) -> list[MicroBatch]:
+    """The one micro-batch path of the experience pass, the update and the critic: this rank's
+    samples split by the token budget and packed, then as many micro-batches on every rank (a
+    collective): ZeRO-3 gathers parameters inside each forward and ZeRO-2 reduces gradients
+    inside each backward, so a rank with fewer micro-batches than its peers would hang them. A
+    rank short of the count adds dummy micro-batches (`dummy_sample`; run, never counted).
+    `placeholder` (a sample) makes the dummy when this rank has no samples. [] when no rank has
+    any sample."""
+    batches = [pack(group) for group in split_by_token_budget(samples, micro_batch_tokens)]
+    count = all_reduce_max_int(len(batches))
+    if len(batches) == count:
+        return batches
+    pool = samples or ([placeholder] if placeholder is not None else [])
+    if not pool:
+        raise ValueError("a rank without samples needs a placeholder to join its peers' micro-batches")
+    return batches + [pack([dummy_sample(pool)], dummy=True) for _ in range(count - len(batches))]
 
 
 def pack(samples: list, dummy: bool = False) -> MicroBatch:

@@ -74,8 +74,9 @@ def test_sinks_receive_training_metrics_and_trajectory_statistics(run):
     expected = {}  # step -> every metric the JSONL sink got at that step
     for row in logged:
         expected.setdefault(row.pop("step"), {}).update(row)
-    assert {"rollout/reward_mean", "train/loss", "perf/step_seconds", "reward/exact_match/mean", "traj/accuracy",
-            "traj/zero_variance_group_frac", "traj/entropy/mean"} <= set(expected[1])
+    assert {"rollout/reward_mean", "train/loss", "perf/step_seconds", "perf/update_seconds", "perf/sync_seconds",
+            "reward/exact_match/mean", "traj/accuracy", "traj/zero_variance_group_frac",
+            "traj/entropy/mean"} <= set(expected[1])
     assert "eval/accuracy" in expected[0] and "eval/accuracy" in expected[2]
 
     (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")

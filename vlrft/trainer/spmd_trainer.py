@@ -259,14 +259,18 @@ class SPMDTrainer:
                 self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
                 self.image_check, old_from_update=not self.maker.settings.policy_pass,
             )
+        updated = time.perf_counter()
         if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
             metrics |= self.maker.policy_metrics(experiences)[0]
         metrics |= trajectory_metrics(experiences)
         if self.saver.due(self.step, cfg.train.total_steps):
             self.saver.save(self.step, experiences, [e.correct for e in experiences])
         self.engine.wake()
+        synced = time.perf_counter()
         if actor_updates:
             self._sync_weights()
+        metrics["perf/update_seconds"] = updated - made
+        metrics["perf/sync_seconds"] = time.perf_counter() - synced
         if self.reference is not None:
             metrics["train/kl_coef"] = self.kl_controller.coef
             self.kl_controller.update(metrics["rollout/kl"], int(metrics["rollout/sequences"]))

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from vlrft.models.attention import COMPUTE_DTYPES
+from vlrft.models.patch_conv import use_patchwise_conv3d
 
 # Tokens that only the prompt encoder may place: a generated one would break the next forward
 # ("image features and image tokens do not match"), so engines can never sample them.
@@ -36,6 +37,7 @@ def load_model(
     )
     model.config.use_cache = False  # training forwards never want a KV cache
     model.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+    use_patchwise_conv3d(model)  # the vision patch embedding as a matmul (models/patch_conv.py)
     return model
 
 

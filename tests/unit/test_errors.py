@@ -54,3 +54,8 @@ def test_the_registries_do_not_import_the_config():
     # registry -> config -> checks -> registries was an import circle; errors.py is below both.
     code = "import sys, vlrft.registry, vlrft.errors; print('vlrft.config' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_reward_server_kwargs_that_are_not_an_object_are_one_line(capsys):
+    assert cli.main(["reward-server", "--recipe", "exact_match", "--kwargs", "[1]"]) == 2
+    assert capsys.readouterr().err == "vlrft: error: --kwargs must be a JSON object, got [1]\n"

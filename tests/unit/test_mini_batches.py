@@ -7,13 +7,18 @@ from tests.unit.test_logprob_consistency import build_trainer
 from vlrft.trainer.update import policy_update
 
 
-def scored_experiences(trainer):
+def scored_prompts(trainer):
+    """Generated and scored experiences, with rewards that differ within groups (non-zero advantages)."""
     torch.manual_seed(1)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
     scored = trainer.maker.generate_and_score(prompts)
-    for i, e in enumerate(scored):  # rewards that differ within groups: non-zero advantages
+    for i, e in enumerate(scored):
         e.reward = float(i % 5)
-    return trainer.maker.finish(scored)[0]
+    return scored
+
+
+def scored_experiences(trainer):
+    return trainer.maker.finish(scored_prompts(trainer))[0]
 
 
 def update(trainer, experiences) -> dict:

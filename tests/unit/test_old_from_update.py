@@ -9,18 +9,10 @@ import pytest
 import torch
 
 from tests.unit.test_logprob_consistency import build_trainer
+from tests.unit.test_mini_batches import scored_prompts
 from vlrft.config import Config
 from vlrft.trainer.build import old_logprobs_from_update
 from vlrft.trainer.update import policy_update
-
-
-def scored(trainer):
-    torch.manual_seed(1)
-    prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
-    experiences = trainer.maker.generate_and_score(prompts)
-    for i, e in enumerate(experiences):  # rewards that differ within groups: non-zero advantages
-        e.reward = float(i % 5)
-    return experiences
 
 
 def perturb(trainer) -> None:
@@ -51,7 +43,7 @@ def test_update_forward_replaces_the_policy_pass(correction, tiny_text, addition
                   "algo.rollout_correction_high=1.25"]
     skip, keep = (build_trainer(tiny_text, addition_data, tmp_path / name, extra) for name in ("skip", "keep"))
     assert old_logprobs_from_update(skip.cfg) and not skip.maker.settings.policy_pass
-    experiences = scored(skip)
+    experiences = scored_prompts(skip)
     for trainer in (skip, keep):
         perturb(trainer)
     calls = []

@@ -53,7 +53,7 @@ def dummy_sample(samples: list) -> Experience:
     vision tower must run on every rank (ZeRO-3 gathers its parameters inside the forward)."""
     prompt = min((rollout_of(s).prompt for s in samples), key=lambda p: len(p.prompt_ids))
     if not prompt.mm_inputs:
-        prompt = replace(prompt, prompt_ids=prompt.prompt_ids[:1], mm_token_types=[])
+        prompt = replace(prompt, prompt_ids=prompt.prompt_ids[:1], mm_token_types=prompt.mm_token_types[:1])
     return empty_response(prompt)
 
 

@@ -25,6 +25,9 @@ class Prompt:
     mm_token_types: list[int] = field(default_factory=list)
     index: int = -1  # position in the run's prompt stream (unique); the group id of its responses
     messages: list = field(default_factory=list)  # the row's chat messages (reward models re-template them)
+    # The prompt's M-RoPE position ids ([3, 1, P]) by rope-index function, filled on first use
+    # (models/packing.position_ids): every response to the prompt shares them.
+    rope_positions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -119,3 +119,20 @@ def test_packed_text_forward_equals_per_sample(tiny_text, addition_data):
         for i, rollout in enumerate(rollouts):
             alone = collate([rollout], pad_id=0)
             assert (packed[i] - gather_responses(alone, policy_forward(model, alone, 1.0).logp)[0]).abs().max() <= 1e-5
+
+
+def test_packed_mrope_positions_equal_the_models_own_per_sample(mixed_rollouts, tiny_vl):
+    # The prompt's ids come from the model's function once per prompt; the response continues
+    # them. Check against the function run on each whole sequence (prompt + response).
+    backbone = load_model(tiny_vl).model
+    rollouts = mixed_rollouts + [Rollout(mixed_rollouts[1].prompt, 9, [5, 6, 7], "", False)]  # a shared prompt
+    batch = pack(rollouts)
+    expected = []
+    for r in rollouts:
+        ids = torch.tensor(r.prompt.prompt_ids + r.response_ids)[None]
+        types = torch.tensor((r.prompt.mm_token_types or [0] * len(r.prompt.prompt_ids)) + [0] * len(r.response_ids))
+        positions, _ = backbone.get_rope_index(ids, image_grid_thw=r.prompt.mm_inputs.get("image_grid_thw"),
+                                               attention_mask=torch.ones_like(ids), mm_token_type_ids=types[None])
+        expected.append(positions)
+    assert torch.equal(position_ids(backbone, batch), torch.cat(expected, dim=-1))
+    assert len(mixed_rollouts[1].prompt.rope_positions) == 1  # computed once, reused

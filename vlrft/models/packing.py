@@ -101,25 +101,37 @@ def pack(samples: list, dummy: bool = False) -> MicroBatch:
 
 def position_ids(backbone: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Each packed sample's own positions: [1, T] restarting at 0, or for models with a rope
-    index (Qwen-VL's M-RoPE) that model's [3, 1, T] ids computed sample by sample."""
+    index (Qwen-VL's M-RoPE) that model's [3, 1, T] ids, sample by sample: the prompt's from
+    the model's own function (once per prompt, shared by its responses), then the response,
+    all text, continuing from the prompt's largest id + 1 on all three axes, as the function
+    numbers text after the last image."""
     rope_index = getattr(backbone, "get_rope_index", None)
     if rope_index is None:
         return torch.cat([torch.arange(length) for length in batch.seq_lengths])[None]
-    types = batch.mm_inputs.get("mm_token_type_ids", torch.zeros_like(batch.input_ids))
-    grids = batch.mm_inputs.get("image_grid_thw")
-    parts, start, image = [], 0, 0
-    for sample, length in zip(batch.samples, batch.seq_lengths):
-        n_images = rollout_of(sample).prompt.mm_inputs.get("image_grid_thw", torch.zeros(0, 3)).shape[0]
-        ids = batch.input_ids[:, start : start + length]
+    parts = []
+    for sample in batch.samples:
+        rollout = rollout_of(sample)
+        prompt = prompt_positions(rope_index, rollout.prompt)  # [3, 1, P]
+        start = int(prompt.max()) + 1 if prompt.numel() else 0
+        response = torch.arange(start, start + len(rollout.response_ids)).expand(3, 1, -1)  # [3, 1, R]
+        parts += [prompt, response]
+    return torch.cat(parts, dim=-1)  # [3, 1, T]
+
+
+def prompt_positions(rope_index, prompt: Prompt) -> torch.Tensor:
+    """The prompt's M-RoPE ids by `rope_index`, [3, 1, P], cached on the prompt."""
+    key = getattr(rope_index, "__qualname__", repr(rope_index))
+    if key not in prompt.rope_positions:
+        ids = torch.tensor(prompt.prompt_ids)[None]  # [1, P]
+        types = torch.tensor(prompt.mm_token_types or [0] * len(prompt.prompt_ids))[None]  # [1, P]
         positions, _ = rope_index(
             ids,
-            image_grid_thw=grids[image : image + n_images] if n_images else None,
+            image_grid_thw=prompt.mm_inputs.get("image_grid_thw"),
             attention_mask=torch.ones_like(ids),
-            mm_token_type_ids=types[:, start : start + length],
-        )  # [3, 1, L_i]
-        parts.append(positions)
-        start, image = start + length, image + n_images
-    return torch.cat(parts, dim=-1)  # [3, 1, T]
+            mm_token_type_ids=types,
+        )
+        prompt.rope_positions[key] = positions
+    return prompt.rope_positions[key]
 
 
 def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict:

@@ -70,14 +70,15 @@ def grpo_loss(vocab_logp: torch.Tensor, colour_ids: list[int], truth: torch.Tens
     return loss
 
 
-def probe(args, seed: int) -> list[tuple[int, float]]:
+def encoded(encoder: PromptEncoder, path: str) -> list[tuple]:
+    """(prompt, answer) of every row of a task file."""
+    return [(encoder.encode(r, i), r["answer"]) for i, r in enumerate(load_rows(path))]
+
+
+def probe(args, seed: int, tokenizer, train: list[tuple], test: list[tuple]) -> list[tuple[int, float]]:
     torch.manual_seed(seed)
-    encoder = PromptEncoder(args.model, 56 * 56, 112 * 112, 1024)
-    tokenizer = encoder.tokenizer
     model = load_model(args.model)
     reference = copy.deepcopy(model).eval() if args.kl_coef > 0 else None
-    train = [(encoder.encode(r, i), r["answer"]) for i, r in enumerate(load_rows(f"{args.data}/train.jsonl"))]
-    test = [(encoder.encode(r, i), r["answer"]) for i, r in enumerate(load_rows(f"{args.data}/test.jsonl"))]
     colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOURS]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
     sched = lr_scheduler(opt, "cosine", 0, args.steps)  # the recipe's schedule
@@ -125,9 +126,11 @@ def main(argv=None) -> None:
     parser.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's second-moment decay")
     parser.add_argument("--eval-every", type=int, default=10)
     args = parser.parse_args(argv)
+    encoder = PromptEncoder(args.model, 56 * 56, 112 * 112, 1024)
+    train, test = encoded(encoder, f"{args.data}/train.jsonl"), encoded(encoder, f"{args.data}/test.jsonl")
     for seed in args.seeds:
         start = time.time()
-        curve = probe(args, seed)
+        curve = probe(args, seed, encoder.tokenizer, train, test)
         reached = first_step_at(curve, 0.9)
         print(f"seed {seed}: " + " ".join(f"{s}:{a:.2f}" for s, a in curve)
               + f"  | >= 0.9 at step {reached if reached is not None else 'never'} ({time.time() - start:.0f} s)", flush=True)

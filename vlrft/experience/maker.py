@@ -16,7 +16,7 @@ from vlrft.algo.value import ReturnStats
 from vlrft.data.dataset import user_text
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.checks import ImageTokenCheck
-from vlrft.models.collate import gather_responses, pad_rows
+from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
@@ -224,7 +224,7 @@ class FastExperienceMaker:
         far they are from the trainer's (a stale or broken weight sync, or a numerics gap, shows
         here first), the mismatch KL, and the correction's weights."""
         c = self.settings.correction
-        engine = pad_rows([torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], mask.shape[1])  # [N, R]
+        engine = engine_logprob_rows(rollouts, mask.shape[1])  # [N, R]
         gaps = all_gather_1d((engine - old).abs()[mask.bool()])  # [tokens of all ranks]; a rank may have none
         weights = correction_weights(old, engine, mask, c.mode, c.cap, c.low, c.high)
         tokens, kl, total, squares, masked = all_reduce_sum(mismatch_sums(old, engine, weights, mask)).tolist()

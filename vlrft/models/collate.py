@@ -82,6 +82,16 @@ def pad_rows(rows: list[torch.Tensor], width: int | None = None, device: torch.d
     return padded.to(device) if device is not None else padded
 
 
+def engine_logprob_rows(samples: list, width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """The engine's logprob of each sampled response token, [N, width] (`pad_rows`); zeros for
+    a sample whose engine reported none (a dummy's placeholder)."""
+    rows = []
+    for sample in samples:
+        r = rollout_of(sample)
+        rows.append(torch.tensor(r.logprobs if r.logprobs is not None else [0.0] * len(r.response_ids)))
+    return pad_rows(rows, width, device)
+
+
 def response_rows(batch: MicroBatch, per_token: torch.Tensor) -> torch.Tensor:
     """Per-token values of a micro-batch in the loss layout: one row per sample, its response
     tokens left-aligned ([S, R]), whatever the batch layout; on `per_token`'s device."""

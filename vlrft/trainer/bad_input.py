@@ -20,13 +20,6 @@ from vlrft.models.packing import empty_response
 from vlrft.types import Experience, Prompt
 
 
-def placeholder(prompt: Prompt) -> Experience:
-    """An empty-response experience on `prompt` (models/packing.empty_response). A rank whose
-    prompts were all skipped runs it through the experience pass and the update, so it makes
-    the same forwards, backwards and collectives as its peers."""
-    return empty_response(prompt)
-
-
 class BadInput:
     def __init__(self, mode: str, rank: int, world_size: int):
         self.skip = mode == "skip"
@@ -78,12 +71,15 @@ class BadInput:
         return prompts
 
     def placeholder(self, encoder: PromptEncoder, rows: list[dict]) -> Experience:
-        """This rank's placeholder experience (see `placeholder`), on the first row that encodes,
-        so it has the data's modality. Found once, silently, without collectives."""
+        """This rank's placeholder: an empty-response experience (models/packing.empty_response)
+        on the first row that encodes, so it has the data's modality. A rank whose prompts were
+        all skipped runs it through the experience pass and the update, so it makes the same
+        forwards, backwards and collectives as its peers. Found once, silently, without
+        collectives."""
         if self._placeholder is None:
             for row in rows:
                 try:
-                    self._placeholder = placeholder(encoder.encode(row, -1))
+                    self._placeholder = empty_response(encoder.encode(row, -1))
                     break
                 except DataError:
                     continue

@@ -13,7 +13,7 @@ from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.config import Config, kl_estimator_name
-from vlrft.models.collate import gather_responses, pad_rows, response_rows, rollout_of
+from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.distributed import all_gather_1d, all_reduce_sum, device, rank, world_size
@@ -36,16 +36,6 @@ def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -
     """A per-token Experience field ([R_i] each, kept on the CPU between the experience pass
     and the update) in the loss layout, moved to `on` in one copy. [S, R]."""
     return pad_rows([getattr(e, field) for e in batch.samples], device=on)
-
-
-def engine_rows(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
-    """The engine's logprob of each sampled response token in the loss layout ([S, R]); zeros
-    for a sample whose engine reported none (a dummy's placeholder)."""
-    rows = []
-    for s in batch.samples:
-        r = rollout_of(s)
-        rows.append(torch.tensor(r.logprobs if r.logprobs is not None else [0.0] * len(r.response_ids)))
-    return pad_rows(rows, device=on)
 
 
 def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> None:
@@ -227,7 +217,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             if algo.rollout_correction != "none":  # engine-mismatch weights (algo/correction.py)
                 if old_from_update:
                     weights = correction_weights(
-                        old, engine_rows(batch, here), mask, algo.rollout_correction, algo.rollout_correction_cap,
+                        old, engine_logprob_rows(batch.samples, device=here), mask, algo.rollout_correction, algo.rollout_correction_cap,
                         algo.rollout_correction_low, algo.rollout_correction_high,
                     )
                 else:

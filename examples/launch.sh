@@ -14,8 +14,10 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 # On SIGTERM torchrun forwards the signal, then SIGKILLs after --shutdown-timeout (default 30 s):
 # give the ranks time to finish the step and write their checkpoint. Older torchrun (torch
-# 2.11, for one) has no such flag and keeps its fixed grace period.
-grace=() usage=$(torchrun --help 2>&1 || true)
-[[ $usage == *--shutdown-timeout* ]] && grace=(--shutdown-timeout 600)
+# 2.11, for one) has no such flag and keeps its fixed grace period. The flag is looked up in
+# torchrun's source: `torchrun --help` imports torch, 2 s of every launch.
+grace=()
+run_py=$(python -c "import importlib.metadata as m; print(m.distribution('torch').locate_file('torch/distributed/run.py'))")
+grep -q -- "--shutdown-timeout" "$run_py" && grace=(--shutdown-timeout 600)
 torchrun --nproc_per_node "${NPROC:-2}" ${grace[@]+"${grace[@]}"} -m vlrft.cli train "$config" "$@"
 echo "training wall time: $(( $(date +%s) - start )) s"

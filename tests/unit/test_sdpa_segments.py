@@ -15,6 +15,7 @@ from vlrft.models.attention import resolve_attention, uses_varlen
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model
 from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+from vlrft.types import Rollout
 
 
 def segments_model(path: str):
@@ -59,7 +60,11 @@ def test_packed_vision_language_forward_equals_per_sample(mixed_rollouts, tiny_v
 
 
 def test_packed_gradients_equal_the_masked_packed_gradients(tiny_text, addition_data):
-    rollouts = text_rollouts(tiny_text, addition_data)
+    first, second, third = text_rollouts(tiny_text, addition_data)
+    # Samples of equal length share one batched call: two pairs of them, apart in the pack.
+    twin = lambda r: Rollout(r.prompt, r.group_id + 10, [11] * len(r.response_ids), "", False)  # noqa: E731
+    rollouts = [first, second, third, twin(second), twin(first)]
+    assert len(set(pack(rollouts).seq_lengths)) == 3
     grads = []
     for model in (load_model(tiny_text).eval(), segments_model(tiny_text)):
         batch = pack(rollouts)

@@ -22,9 +22,26 @@ warnings.filterwarnings(
 )
 
 import deepspeed  # noqa: E402  (after the environment above)
-from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+from deepspeed.runtime import compiler as deepspeed_compiler  # noqa: E402
+from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
-from vlrft.distributed import barrier, rank
+from vlrft.distributed import barrier, rank  # noqa: E402
+
+
+def _import_deepspeed_muon_uncompiled() -> None:
+    """ZeRO imports DeepSpeed's Muon optimizer to compare every optimizer's type with it, and
+    that module wraps its kernels in torch.compile at import: torch's whole inductor stack
+    loads, 1.1 s of every rank's start-up, for an optimizer vlrft never builds. Import it
+    once with DeepSpeed's compile decorator as the identity (Muon would still run, eagerly)."""
+    compile_decorator = deepspeed_compiler.compile
+    deepspeed_compiler.compile = lambda: deepspeed_compiler.dummy_decorator
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    finally:
+        deepspeed_compiler.compile = compile_decorator
+
+
+_import_deepspeed_muon_uncompiled()
 
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint

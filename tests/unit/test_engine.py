@@ -88,3 +88,32 @@ def test_checkpoint_generation_config_does_not_change_sampling(tiny_text, additi
         torch.manual_seed(0)
         samples[path] = [r.response_ids for r in engine.generate(prompts, params)]
     assert samples[str(shipped)] == samples[tiny_text]
+
+
+def test_engine_logprobs_equal_the_trainers_packed_forward(tiny_vl, tiny_text, mixed_rollouts, addition_data):
+    """Decoding drops stopped responses from the batch and its cache; what each token was
+    sampled from must still be the policy the trainer scores (text and M-RoPE prompts)."""
+    from vlrft.models.collate import gather_responses
+    from vlrft.models.forward import policy_forward
+    from vlrft.models.packing import pack
+
+    # No banned tokens here: the engine renormalises over the tokens it may sample, the trainer
+    # scores against the whole vocabulary.
+    text_engine, encoder = make_engine(tiny_text, banned=False)
+    text_prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(addition_data / "test.jsonl")[:3])]
+    vl_engine, _ = make_engine(tiny_vl, banned=False)
+    params = SamplingParams(n=4, max_new_tokens=12, temperature=0.7)
+    for engine, prompts in ((text_engine, text_prompts), (vl_engine, [r.prompt for r in mixed_rollouts])):
+        stop = stop_token_ids(engine.tokenizer)[0]
+        bonus = torch.zeros(engine.model.get_output_embeddings().weight.shape[0])
+        bonus[stop] = 3.0  # some responses stop early, some run to the limit
+        engine.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + bonus)
+        torch.manual_seed(0)
+        rollouts = engine.generate(prompts, params)
+        lengths = {len(r.response_ids) for r in rollouts}
+        assert min(lengths) < 12 and any(r.truncated for r in rollouts) and len(lengths) > 2
+        batch = pack(rollouts)
+        with torch.no_grad():
+            trainer = gather_responses(batch, policy_forward(engine.model, batch, params.temperature).logp)
+        for row, rollout in enumerate(rollouts):
+            assert (trainer[row] - torch.tensor(rollout.logprobs)).abs().max() <= 1e-5

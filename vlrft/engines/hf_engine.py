@@ -1,44 +1,25 @@
-"""HF `generate` rollout engine: the CPU default, with its own inference copy of the weights."""
+"""HF rollout engine: the CPU default, with its own inference copy of the weights.
+
+It decodes with the HF model and its KV cache like `generate`, with one difference that pays on
+RL batches: a response that has stopped leaves the batch (its rows of the cache are dropped),
+so the remaining steps compute only the responses still running. `generate` keeps computing
+every row until the longest response ends, which on length-skewed batches is most of the work.
+"""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import TopPLogitsWarper
 
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
 from vlrft.models.collate import concat_mm_inputs, mm_token_type_ids
+from vlrft.models.packing import prompt_positions
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
-
-
-class SampledTokenLogprobs(LogitsProcessor):
-    """The last logits processor: records the log-probability of each sampled token under the
-    distribution it was sampled from (after suppression, temperature and top-p). Called at step
-    t, it sees the token sampled at step t - 1 (input_ids' last column) and scores it with the
-    distribution kept from that step, so only one [B, V] distribution is held at a time."""
-
-    def __init__(self):
-        self.previous: torch.Tensor | None = None  # [B, V] log-softmax of the last step's scores
-        self.logprobs: list[torch.Tensor] = []  # per step, [B]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._record(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def _record(self, tokens: torch.Tensor) -> None:
-        if self.previous is not None:
-            self.logprobs.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[B, new tokens] logprobs, once generate returned `sequences` (the last step's token)."""
-        self._record(sequences[:, -1])
-        self.previous = None
-        return torch.stack(self.logprobs, dim=1) if self.logprobs else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
 
 
 class HFEngine:
@@ -55,40 +36,15 @@ class HFEngine:
         # never serves generation. It holds and decodes in the trainer's compute dtype (an
         # inference copy needs no fp32 master: half the memory under bf16).
         self.model = load_model(model_path, compute_dtype=compute_dtype, weights_dtype=compute_dtype).eval().to(device())
-        # transformers fills every generation field a call leaves unset from the checkpoint's
-        # generation_config.json (Qwen2.5 Instruct ships repetition_penalty 1.05, top_k 20):
-        # start from library defaults so only the fields `_generation_config` sets can act.
-        self.model.generation_config = GenerationConfig()
+        # The checkpoint's generation_config.json (Qwen2.5 Instruct ships repetition_penalty
+        # 1.05, top_k 20) is never read: sampling is exactly what `_sample` does, the
+        # distribution the trainer's logprobs assume.
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.banned_ids = banned_ids
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-        self.max_batch = max_batch  # sequences per generate call (bounds memory)
-
-    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        # Built explicitly so no checkpoint default (top_k=50, repetition penalty, ...) changes
-        # the sampling distribution that the trainer's logprobs assume. Temperature and top-p
-        # are not set here: `_processors` applies them, before recording the logprobs.
-        return GenerationConfig(
-            do_sample=not params.greedy,
-            top_k=0 if not params.greedy else None,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-            suppress_tokens=self.banned_ids or None,
-        )
-
-    @staticmethod
-    def _processors(params: SamplingParams) -> tuple[LogitsProcessorList, SampledTokenLogprobs]:
-        """Temperature and top-p, then the recorder. transformers would run its own temperature
-        and top-p warpers after every processor a caller passes, so they are ours here."""
-        recorder = SampledTokenLogprobs()
-        warpers = []
-        if not params.greedy and params.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-        if not params.greedy and params.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(params.top_p))
-        return LogitsProcessorList([*warpers, recorder]), recorder
+        self.max_batch = max_batch  # sequences per decoding batch (bounds memory)
+        self.rope_index = getattr(self.model.model, "get_rope_index", None)  # Qwen-VL's M-RoPE ids
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
@@ -98,6 +54,34 @@ class HFEngine:
             rollouts += self._generate_batch(expanded[start : start + self.max_batch], params)
         return rollouts
 
+    def _prompt_positions(self, prompts: list[Prompt], attention_mask: torch.Tensor) -> torch.Tensor:
+        """Left-padded prompts' position ids: [B, P], or Qwen-VL's M-RoPE [3, B, P] (the
+        prompt's own, as the trainer numbers them); padding gets 0 (it is masked out)."""
+        if self.rope_index is None:
+            return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = torch.zeros((3, *attention_mask.shape), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            positions[:, row, attention_mask.shape[1] - len(p.prompt_ids) :] = prompt_positions(self.rope_index, p)[:, 0]
+        return positions
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens [B] and their logprobs [B] under the distribution they are drawn from:
+        banned tokens removed, then temperature, then top-p (the order `generate` uses)."""
+        scores = logits.float()
+        if self.banned_ids:
+            scores[:, self.banned_ids] = -float("inf")
+        if not params.greedy:
+            if params.temperature != 1.0:
+                scores = scores / params.temperature
+            if params.top_p < 1.0:
+                scores = TopPLogitsWarper(params.top_p)(None, scores)
+        logprobs = torch.log_softmax(scores, dim=-1)  # [B, V]
+        if params.greedy:
+            tokens = logprobs.argmax(-1)
+        else:
+            tokens = torch.multinomial(logprobs.exp(), 1).squeeze(1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
+
     def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
         width = max(len(p.prompt_ids) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
@@ -105,22 +89,41 @@ class HFEngine:
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[row, width - len(p.prompt_ids) :] = 1
+        positions = self._prompt_positions(prompts, attention_mask)
         mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=True)
         here = self.model.device
-        processors, recorder = self._processors(params)
+        tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
+        logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token
+        stop_ids = torch.tensor(self.stop_ids, device=here)
+        running = torch.arange(len(prompts), device=here)  # rows of the batch still decoding
+        # Responses continue from the prompt's largest position id (on all three M-RoPE axes).
+        start = positions.amax(dim=(0, 2) if positions.dim() == 3 else -1, keepdim=True)  # [B, 1] / [1, B, 1]
+        next_position = (start.expand(3, -1, -1) if positions.dim() == 3 else start).to(here) + 1
+        attention_mask = attention_mask.to(here)
         with decoder_autocast(self.model):
-            out = self.model.generate(
-                input_ids=input_ids.to(here),
-                attention_mask=attention_mask.to(here),
-                generation_config=self._generation_config(params),
-                logits_processor=processors,
-                **{k: v.to(here) for k, v in mm.items()},
-            )  # [B, P + new]
-        logprobs = recorder.finish(out).cpu()  # [B, new] the sampling distribution's logprob of each token
-        return [
-            make_rollout(p, out[row, width:].tolist(), self.tokenizer, self.stop_ids, logprobs[row].tolist())
-            for row, p in enumerate(prompts)
-        ]
+            out = self.model(
+                input_ids=input_ids.to(here), attention_mask=attention_mask, position_ids=positions.to(here),
+                use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
+            )
+            cache = out.past_key_values
+            for step in range(params.max_new_tokens):
+                token, logprob = self._sample(out.logits[:, -1], params)
+                tokens[running, step], logprobs[running, step] = token, logprob
+                going = ~torch.isin(token, stop_ids)
+                if step + 1 == params.max_new_tokens or not going.any():
+                    break
+                if not going.all():  # stopped responses leave the batch and the cache
+                    keep = going.nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    running, token, attention_mask, next_position = running[keep], token[keep], attention_mask[keep], next_position[..., keep, :]
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(running), 1))], dim=1)
+                out = self.model(
+                    input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                    past_key_values=cache, use_cache=True,
+                )
+                next_position = next_position + 1
+        tokens, logprobs = tokens.tolist(), logprobs.cpu().tolist()
+        return [make_rollout(p, tokens[row], self.tokenizer, self.stop_ids, logprobs[row]) for row, p in enumerate(prompts)]
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

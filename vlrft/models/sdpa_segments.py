@@ -1,7 +1,8 @@
 """`model.attention: sdpa_segments`: a packed micro-batch without a [T, T] mask, on any device
 and in any dtype. Each sample's slice of the packed queries, keys and values goes through causal
 SDPA on its own (samples of equal length batched into one call), so attention costs Σ L_i²
-instead of T² and nothing across samples is computed: a larger `train.micro_batch_tokens` no longer makes attention slower per token.
+instead of T² and nothing across samples is computed: a larger `train.micro_batch_tokens` no
+longer makes attention slower per token.
 `auto` picks it on the CPU, where no varlen FlashAttention kernel runs.
 
 Registered with transformers under `SDPA_SEGMENTS`, like torch_varlen.py: transformers builds no
@@ -42,5 +43,6 @@ def sdpa_segments_attention(module, query, key, value, attention_mask, dropout=0
         for i, row in zip(members, out.split(1)):
             parts[i] = row
     return torch.cat(parts, dim=1), None
+
 
 AttentionInterface.register(SDPA_SEGMENTS, sdpa_segments_attention)

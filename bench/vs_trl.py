@@ -14,7 +14,7 @@ are not all zero); TRL calls the same functions.
 Two length regimes, each with its own copy of the model:
 - fixed: every response runs to 64 tokens. The stop tokens' LM-head rows read one residual
   channel that no layer reads or writes and every embedding sets to a constant; a large negative
-  weight there keeps their logits ~-30 below the rest, so neither side can stop early. The
+  weight there keeps their logits about 50 below the rest, so neither side can stop early. The
   other 511 channels compute as in any random model.
 - natural: the same channel with a positive weight on `<|im_end|>`, so responses stop at
   skewed, context-dependent lengths (most short, some run to 64).

@@ -104,10 +104,6 @@ def digit_share(completions: list[str], samples: list[dict]) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def prompt_text(row: dict) -> str:
-    return "".join(part["text"] for part in row["messages"][0]["content"] if part.get("type") == "text")
-
-
 # --------------------------------------------------------------------------- the runs (subprocesses)
 
 
@@ -118,10 +114,11 @@ def run_trl(model: str, data: str, steps: int, out: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from reward_recipes.answer_match import exact_match
+    from vlrft.data.dataset import user_text
 
     rows = [json.loads(line) for line in open(data)]
     dataset = datasets.Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": prompt_text(r)}], "answer": r["answer"]} for r in rows]
+        [{"prompt": [{"role": "user", "content": user_text(r["messages"])}], "answer": r["answer"]} for r in rows]
     )
 
     def correct(completions, answer, **_):
@@ -233,10 +230,12 @@ def run_bound(model: str, data: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from vlrft.data.dataset import user_text
+
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     rows = [json.loads(line) for line in open(data)][:PROMPTS_PER_STEP]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(r)}], tokenize=False, add_generation_prompt=True) for r in rows]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": user_text(r["messages"])}], tokenize=False, add_generation_prompt=True) for r in rows]
     tokenizer.padding_side = "left"
     batch = tokenizer([t for t in texts for _ in range(SAMPLES)], return_tensors="pt", padding=True)
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=tokenizer.pad_token_id)

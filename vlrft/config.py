@@ -7,6 +7,7 @@ keys, so a typo can never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ ON_BAD_SAMPLE = ("error", "skip")
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # HF checkpoint directory of the policy (loaded with from_pretrained)
+    path: str = ""  # policy: an HF checkpoint directory, or a hub model id (owner/name; models/hub.py)
     ref_path: str = ""  # reference model checkpoint; empty = same as `path`
     freeze_vision: bool = False  # train without updating the vision tower (policy and critic)
     # How packed samples are kept apart in attention: auto | sdpa (block-diagonal mask) |
@@ -42,8 +43,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = ""  # JSONL in the canonical row schema
-    eval_path: str = ""  # held-out JSONL; empty = no evaluation
+    train_path: str = ""  # JSONL, parquet, or a saved HF data set directory
+    eval_path: str = ""  # held-out data set (same forms); empty = no evaluation
+    # How rows without "messages" are read (data/columns.py): the prompt (a string or a list of
+    # chat messages), the answer (dots reach nested fields), the images (paths or bytes).
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    system_prompt: str = ""  # a system message for mapped rows whose prompt has none
+    prompt_template: str = "{prompt}"  # a string prompt in context, e.g. "{prompt} Answer in \\boxed{}."
     min_pixels: int = 56 * 56  # images are resized into [min_pixels, max_pixels]
     max_pixels: int = 112 * 112
     max_prompt_tokens: int = 1024  # longer prompts are rejected naming the row
@@ -318,17 +326,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+# A Hugging Face hub model id, `owner/name` (models/hub.py turns it into a local snapshot).
+MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def _resolve_paths(cfg: Config, base: Path) -> None:
-    """Paths in a config file are relative to that file, so examples run from anywhere."""
+    """Paths in a config file are relative to that file, so examples run from anywhere; a
+    model path that names nothing there but reads `owner/name` is a hub id and stays as it is."""
     def resolve(p: str) -> str:
         return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
 
-    cfg.model.path = resolve(cfg.model.path)
-    cfg.model.ref_path = resolve(cfg.model.ref_path)
+    def resolve_model(p: str) -> str:
+        return p if MODEL_ID.fullmatch(p) and not (base / p).exists() else resolve(p)
+
+    cfg.model.path = resolve_model(cfg.model.path)
+    cfg.model.ref_path = resolve_model(cfg.model.ref_path)
     cfg.data.train_path = resolve(cfg.data.train_path)
     cfg.data.eval_path = resolve(cfg.data.eval_path)
     cfg.data.ptx_path = resolve(cfg.data.ptx_path)
-    cfg.critic.path = resolve(cfg.critic.path)
+    cfg.critic.path = resolve_model(cfg.critic.path)
     cfg.output.dir = resolve(cfg.output.dir)
     if cfg.checkpoint.resume not in ("auto", "never"):
         cfg.checkpoint.resume = resolve(cfg.checkpoint.resume)

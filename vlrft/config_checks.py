@@ -100,6 +100,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
     if cfg.data.min_pixels > cfg.data.max_pixels:
         raise ConfigError("config key 'data.min_pixels' must be <= 'data.max_pixels'")
+    if "{prompt}" not in cfg.data.prompt_template:
+        raise ConfigError(f"config key 'data.prompt_template' must contain '{{prompt}}', got {cfg.data.prompt_template!r}")
+    for key in ("prompt_key", "answer_key", "image_key"):
+        if not getattr(cfg.data, key):
+            raise ConfigError(f"config key 'data.{key}' must name a column")
     if cfg.data.on_bad_sample not in ON_BAD_SAMPLE:
         raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
     _validate_rewards(cfg.reward)

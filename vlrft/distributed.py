@@ -142,6 +142,24 @@ def gather_objects_to_rank0(obj) -> list | None:
     return gathered
 
 
+def send_objects(transfers: list[tuple[int, int, list]]) -> list:
+    """Point-to-point object transfers `(source rank, destination rank, objects)`; every rank
+    passes the same list (the objects matter only on their source) and gets back what was sent
+    to it, in list order. Transfers run one at a time in list order, so the earliest unfinished
+    one always has both of its ranks waiting on it: no deadlock, and each object crosses the
+    wire once (an all-gather would send it to every rank)."""
+    me = rank()
+    received: list = []
+    for source, destination, objects in transfers:
+        if me == source:
+            dist.send_object_list([objects], dst=destination)
+        elif me == destination:
+            box = [None]
+            dist.recv_object_list(box, src=source)
+            received += box[0]
+    return received
+
+
 def broadcast_from_rank0(obj):
     """Rank 0's picklable `obj` on every rank (decisions one rank makes for all: resume)."""
     if world_size() == 1:

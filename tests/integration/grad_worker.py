@@ -1,9 +1,11 @@
 """Worker of test_split_invariance: one optimizer step's gradient on a fixed batch of experiences.
 
 Run under torchrun (any world size) or plain python (a world of one). Every rank builds the same
-8 experiences from a seed, keeps its share (rank::world_size), runs vlrft's policy_update on a
-DeepSpeed ZeRO-2 backend and, just before the optimizer step, records the full gradient.
-Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE
+8 experiences from a seed, keeps its share, runs vlrft's policy_update on a DeepSpeed ZeRO-2
+backend and, just before the optimizer step, records the full gradient. SHARE "strided" keeps
+rank::world_size; "balanced" gives rank 0 all but the last experience, then evens the tokens
+out with trainer/rank_balance (which must move samples and lower the imbalance).
+Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE]
 """
 
 import sys
@@ -11,7 +13,7 @@ import sys
 import torch
 
 
-def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str) -> None:
+def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str, share: str = "strided") -> None:
     from deepspeed.utils import safe_get_full_grad
 
     from vlrft.algo import LOSS_AGG_MODES
@@ -22,6 +24,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import load_model
     from vlrft.distributed import init_distributed
+    from vlrft.trainer.rank_balance import balance_across_ranks
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
@@ -46,6 +49,13 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
                 advantages=torch.randn(length, generator=g),
             )
         )
+    if share == "balanced":
+        mine = experiences[:-1] if rank == 0 else experiences[-1:]
+        mine, balance = balance_across_ranks(mine)
+        assert balance["perf/rank_imbalance"] < balance["perf/rank_imbalance_before"], balance
+        print(f"rank {rank}: {len(mine)} samples after balancing, {balance}", flush=True)
+    else:
+        mine = experiences[rank::world_size]
     grads = {}
     for mode in LOSS_AGG_MODES:
         cfg = load_config(None, [
@@ -56,7 +66,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
         torch.manual_seed(0)
         backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=2)
         buffer = ReplayBuffer(micro_batch_tokens, seed=rank)
-        buffer.add(experiences[rank::world_size])
+        buffer.add(mine)
 
         def record_then_step(step=backend.step):
             grads[mode] = torch.cat([safe_get_full_grad(p).flatten().clone() for p in backend.module.parameters()])
@@ -69,4 +79,4 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

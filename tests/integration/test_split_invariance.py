@@ -1,7 +1,8 @@
 """Acceptance: one optimizer step's gradient does not depend on how its batch is split.
 
-1 rank x 1 micro-batch, 1 rank x one micro-batch per sequence and 2 ranks (gloo) agree within a relative
-difference of 1e-5 (fp32), in each of the four loss aggregation modes.
+1 rank x 1 micro-batch, 1 rank x one micro-batch per sequence, 2 ranks (gloo) and 2 ranks whose
+skewed shares were evened out by trainer/rank_balance agree within a relative difference of 1e-5
+(fp32), in each of the four loss aggregation modes.
 """
 
 import os
@@ -18,11 +19,11 @@ pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("grad_worker.py")
 
 
-def gradients(model, data, micro_batch_tokens, ranks, out):
+def gradients(model, data, micro_batch_tokens, ranks, out, share="strided"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(Path(__file__).parents[2])}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
-    cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out)]
+    cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out), share]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
@@ -32,9 +33,10 @@ def test_gradient_is_split_invariant_over_micro_batches_and_ranks(tiny_text, add
     whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt")
     micro = gradients(tiny_text, addition_data, 40, 1, tmp_path / "micro.pt")
     ranks = gradients(tiny_text, addition_data, 40, 2, tmp_path / "ranks.pt")
+    balanced = gradients(tiny_text, addition_data, 40, 2, tmp_path / "balanced.pt", share="balanced")
     assert sorted(whole) == ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]
     for mode, reference in whole.items():
         assert reference.norm() > 0, mode
-        for name, other in (("micro-batches", micro[mode]), ("2 ranks", ranks[mode])):
+        for name, other in (("micro-batches", micro[mode]), ("2 ranks", ranks[mode]), ("2 balanced ranks", balanced[mode])):
             rel = float((other - reference).norm() / reference.norm())
             assert rel <= 1e-5, f"{mode}, {name}: relative gradient difference {rel:.2e}"

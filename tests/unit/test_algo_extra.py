@@ -1,6 +1,6 @@
 """Hand-computed checks of the estimator, critic, KL-controller, shaping and overlong math.
 
-The arithmetic is written next to every expected value (ALGORITHMS.md is the spec).
+The arithmetic is written next to every expected value (docs/algorithms.md describes the options).
 """
 
 import math

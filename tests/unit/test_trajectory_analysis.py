@@ -69,3 +69,36 @@ def test_summarise_one_step():
     assert s["zero_variance_group_frac"] == 0.5  # group 0 spread, group 1 single
     assert s["entropy/mean"] == 1.0 and s["entropy/max"] == 1.5
     assert summarise([]) == {}
+
+
+def test_step_metrics_from_tensors_equal_the_report_of_saved_records(world_of_one):
+    """The trainer's `traj/` metrics (numbers and entropies exchanged as tensors) are the
+    report's `summarise` of the same experiences' saved records."""
+    import math
+
+    import torch
+
+    from vlrft.trainer.trajectory_metrics import trajectory_metrics
+    from vlrft.trajectory.saver import stats_record
+    from vlrft.types import Experience, Prompt, Rollout
+
+    def experience(source, group, text, reward, components, entropy, correct, truncated=False):
+        prompt = Prompt(id=str(group), data_source=source, answer="", meta={}, prompt_text="", prompt_ids=[1, 2])
+        rollout = Rollout(prompt=prompt, group_id=group, response_ids=list(range(len(entropy))), response_text=text,
+                          truncated=truncated)
+        e = Experience(rollout, reward, components, entropy=torch.tensor(entropy))
+        e.correct = correct
+        return e
+
+    experiences = [
+        experience("maths", 0, "wait wait a b c a b c", 1.0, {"exact": 1.0, "format": None}, [0.5, 0.25, 2.0], 1.0),
+        experience("maths", 0, "hmm no", 0.0, {"exact": 0.0, "format": 0.5}, [1.0, math.nan], 0.0, truncated=True),
+        experience("colours", 3, "red", 0.5, {"exact": [0.25, 0.25]}, [0.125], 1.0),
+        experience("colours", 3, "blue", math.inf, {"exact": 0.0}, [3.0, 0.75, 0.5, 1.5], 0.0),  # dropped: reward
+    ]
+    records = [stats_record(e, e.correct) for e in experiences]
+    expected = summarise([r for r in records if r["reward"] is not None])
+    got = trajectory_metrics(experiences)
+    assert got == pytest.approx({f"traj/{k}": v for k, v in expected.items()}, rel=1e-6)
+    assert {"traj/component/format/mean", "traj/source/colours/accuracy", "traj/entropy/p90",
+            "traj/repetition_mean", "traj/reflection_words_per_response"} <= set(got)

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md, "Advantage estimators")."""
+"""Advantage estimators (docs/algorithms.md, "Advantage estimators")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Loss aggregation with explicit global normalisers (ALGORITHMS.md, "Loss aggregation").
+"""Loss aggregation with explicit global normalisers (docs/algorithms.md, "Loss aggregation").
 
 A micro-batch's loss is divided by a normaliser counted over the *whole* optimizer step (all
 micro-batches, all ranks), so the step's gradient does not depend on how it was split.

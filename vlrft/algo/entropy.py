@@ -1,4 +1,4 @@
-"""Token entropy, and the high-entropy token mask (ALGORITHMS.md, "Entropy")."""
+"""Token entropy, and the high-entropy token mask (docs/algorithms.md, "Entropy")."""
 
 from __future__ import annotations
 

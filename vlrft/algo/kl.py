@@ -1,4 +1,4 @@
-"""Per-token KL estimators between the policy and the reference (ALGORITHMS.md, "KL")."""
+"""Per-token KL estimators between the policy and the reference (docs/algorithms.md, "KL")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reward shaping before advantages (ALGORITHMS.md, "Reward shaping and sample filters")."""
+"""Reward shaping before advantages (docs/algorithms.md, "Reward shaping and sample filters")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Critic math: the clipped value loss and running return statistics (ALGORITHMS.md, "Value loss")."""
+"""Critic math: the clipped value loss and running return statistics (docs/algorithms.md, "Critic")."""
 
 from __future__ import annotations
 

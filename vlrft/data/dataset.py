@@ -1,8 +1,9 @@
-"""Prompt datasets in the canonical row schema (DESIGN.md, "Conventions").
+"""Prompt data sets: JSONL, parquet or a saved HF data set, read into the canonical row schema.
 
 A row is {"id", "messages", "answer", "data_source", "meta"}; message content is a string or
-a list of parts {"type": "text", "text"} / {"type": "image", "image": path}. Image paths are
-relative to the dataset file and are resolved (and checked to exist) at load time, so a
+a list of parts {"type": "text", "text"} / {"type": "image", "image": path or bytes}. Rows in
+a data set's own columns are mapped first (data/columns.py). Image paths are relative to the
+data set's file (or directory) and are resolved (and checked to exist) at load time, so a
 missing file fails before training starts, naming the row and the path.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vlrft.data.columns import ColumnError, Columns, mapped_row
 from vlrft.errors import VlrftError
 
 
@@ -21,62 +23,105 @@ class DataError(VlrftError, ValueError):
 REQUIRED_FIELDS = ("messages", "answer")
 
 
-def load_rows(path: str | Path) -> list[dict]:
-    """Read and validate a JSONL prompt file; image paths become absolute. The first bad line
-    raises its DataError."""
-    return read_rows(path, skip_bad=False)[0]
+def load_rows(path: str | Path, columns: Columns = Columns()) -> list[dict]:
+    """Read and validate a data set (`read_rows`). The first bad row raises its DataError."""
+    return read_rows(path, skip_bad=False, columns=columns)[0]
 
 
-def read_rows(path: str | Path, skip_bad: bool) -> tuple[list[dict], list[str]]:
-    """(valid rows, one-line problems of the lines left out). With `skip_bad` a bad line
-    (invalid JSON, not an object, a missing field, a missing image) is left out and its
-    problem returned; otherwise it raises. A file with no valid row raises either way."""
+def read_rows(path: str | Path, skip_bad: bool, columns: Columns = Columns()) -> tuple[list[dict], list[str]]:
+    """(valid rows, one-line problems of the rows left out) of a JSONL file, a parquet file or
+    a directory an HF `datasets` data set was saved to (`save_to_disk`). Rows without
+    "messages" go through the column mapping (data/columns.py); image paths become absolute.
+    With `skip_bad` a bad row (invalid JSON, not an object, a missing field, a missing image)
+    is left out and its problem returned; otherwise it raises. A data set with no valid row
+    raises either way."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raw_rows = enumerate(hf_dataset_rows(path))
+    elif path.suffix == ".parquet" and path.is_file():
+        raw_rows = enumerate(parquet_rows(path))
+    elif path.is_file():
+        raw_rows = jsonl_rows(path)
+    else:
         raise DataError(f"dataset file not found: {path}")
+    base = path if path.is_dir() else path.parent
     rows, problems = [], []
+    for number, raw in raw_rows:
+        try:
+            if isinstance(raw, DataError):
+                raise raw
+            rows.append(_validate_row(raw, path, number, columns, base))
+        except DataError as err:
+            if not skip_bad:
+                raise
+            problems.append(str(err))
+    what = "dataset" if path.is_dir() else "dataset file"
+    if not rows and problems:
+        raise DataError(f"{what} {path} has no valid rows ({len(problems)} bad, first: {problems[0]})")
+    if not rows:
+        raise DataError(f"{what} {path} has no rows")
+    return rows, problems
+
+
+def jsonl_rows(path: Path):
+    """(line number, row or the DataError of an unreadable line) of a JSONL file."""
     with path.open("rb") as f:  # decoded line by line: one non-UTF-8 line is one bad line
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(_parse_row(line, path, line_no))
-            except DataError as err:
-                if not skip_bad:
-                    raise
-                problems.append(str(err))
-    if not rows and problems:
-        raise DataError(f"dataset file {path} has no valid rows ({len(problems)} bad, first: {problems[0]})")
-    if not rows:
-        raise DataError(f"dataset file {path} has no rows")
-    return rows, problems
+                yield line_no, json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield line_no, DataError(f"{path}:{line_no}: invalid JSON (not UTF-8 text)")
+            except json.JSONDecodeError as err:
+                yield line_no, DataError(f"{path}:{line_no}: invalid JSON ({err.msg})")
 
 
-def _parse_row(line: bytes, path: Path, line_no: int) -> dict:
+def parquet_rows(path: Path) -> list[dict]:
+    """A parquet file's rows as stored (an HF Image column stays {"bytes", "path"})."""
+    import pyarrow.parquet  # noqa: PLC0415 - only parquet data sets need it
+
     try:
-        row = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise DataError(f"{path}:{line_no}: invalid JSON (not UTF-8 text)") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg})") from None
-    return _validate_row(row, path, line_no)
+        return pyarrow.parquet.read_table(path).to_pylist()
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise DataError(f"{path}: cannot read parquet ({err})") from None
 
 
-def _validate_row(row: dict, path: Path, line_no: int) -> dict:
-    where = f"{path}:{line_no} (row id {row.get('id', '?')!r})" if isinstance(row, dict) else f"{path}:{line_no}"
+def hf_dataset_rows(path: Path) -> list[dict]:
+    """The rows of a data set saved with `Dataset.save_to_disk`, as stored (images undecoded)."""
+    try:
+        import datasets  # noqa: PLC0415 - only HF data sets need it
+    except ImportError:
+        raise DataError(f"{path} is a directory: reading an HF data set needs `pip install datasets`") from None
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001 - not a saved data set, or a damaged one
+        raise DataError(f"{path}: not a data set saved with save_to_disk ({err})") from None
+    if isinstance(data, datasets.DatasetDict):
+        raise DataError(f"{path} holds the splits {sorted(data)}: point the path at one of them ({path}/<split>)")
+    return data.with_format("arrow")[:].to_pylist()
+
+
+def _validate_row(row, path: Path, number: int, columns: Columns, base: Path) -> dict:
+    where = f"{path}:{number} (row id {row.get('id', '?')!r})" if isinstance(row, dict) else f"{path}:{number}"
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object")
+    if "messages" not in row:
+        try:
+            row = mapped_row(row, columns, base)
+        except ColumnError as err:
+            raise DataError(f"{where}: {err}") from None
     for name in REQUIRED_FIELDS:
         if name not in row:
             raise DataError(f"{where}: missing required field '{name}'")
     if not isinstance(row["messages"], list) or not row["messages"]:
         raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
     row = dict(row)
-    row.setdefault("id", f"{path.stem}-{line_no}")
+    row.setdefault("id", f"{path.stem}-{number}")
     row.setdefault("data_source", "default")
     row.setdefault("meta", {})
     row["answer"] = str(row["answer"])
-    row["messages"] = [_resolve_message(m, path.parent, where) for m in row["messages"]]
+    row["messages"] = [_resolve_message(m, base, where) for m in row["messages"]]
     return row
 
 
@@ -92,10 +137,13 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image":
-            if not isinstance(part.get("image"), str) or not part["image"]:
-                raise DataError(f"{where}: an image part needs an 'image' path")
-            image = Path(part["image"])
-            image = image if image.is_absolute() else base / image
+            image = part.get("image")
+            if isinstance(image, bytes) and image:
+                parts.append(part)  # encoded image bytes (parquet, HF data sets): decoded at encoding
+                continue
+            if not isinstance(image, str) or not image:
+                raise DataError(f"{where}: an image part needs an 'image' path or bytes")
+            image = Path(image) if Path(image).is_absolute() else base / image
             if not image.is_file():
                 raise DataError(f"{where}: image file not found: {image}")
             part = {**part, "image": str(image)}
@@ -117,8 +165,8 @@ def user_text(messages: list[dict]) -> str:
     return "\n".join(message_text(m["content"]) for m in messages if m.get("role") == "user")
 
 
-def image_paths(row: dict) -> list[str]:
-    """Image paths of a row in the order they appear in its messages."""
+def image_sources(row: dict) -> list[str | bytes]:
+    """A row's images (absolute paths or encoded bytes) in the order they appear in its messages."""
     return [
         part["image"]
         for message in row["messages"]

@@ -9,6 +9,7 @@ classes that insist on a video processor need torchvision.
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
-from vlrft.data.dataset import DataError, image_paths
+from vlrft.data.dataset import DataError, image_sources
 from vlrft.types import Prompt
 
 IMAGE_PAD = "<|image_pad|>"
@@ -44,6 +45,26 @@ except Exception:  # noqa: BLE001 - any import failure means "not usable here"
     _qwen_fetch_image = None
 
 
+def json_safe(messages: list[dict]) -> list[dict]:
+    """The messages with each image given as bytes replaced by "<image k>" (its place among
+    the row's images): recipes and the reward server's JSON see the text, `images` the pixels."""
+    k = 0
+    out = []
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    if isinstance(part["image"], bytes):
+                        part = {**part, "image": f"<image {k}>"}
+                    k += 1
+                parts.append(part)
+            content = parts
+        out.append({**message, "content": content})
+    return out
+
+
 class PromptEncoder:
     def __init__(self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -53,30 +74,37 @@ class PromptEncoder:
         self.max_pixels = max_pixels
         self.max_prompt_tokens = max_prompt_tokens
 
-    def load_image(self, path: str) -> Image.Image:
+    def load_image(self, source: str | bytes) -> Image.Image:
+        """An image from its path or its encoded bytes (parquet and HF data sets)."""
+        if isinstance(source, bytes):
+            source = load_rgb_image(io.BytesIO(source), max_pixels=self.max_pixels)
+            if _qwen_fetch_image is None:
+                return source
         if _qwen_fetch_image is not None:
-            return _qwen_fetch_image({"image": path, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
-        return load_rgb_image(path, max_pixels=self.max_pixels)
+            return _qwen_fetch_image({"image": source, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
+        return load_rgb_image(source, max_pixels=self.max_pixels)
 
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
         where = f"row id {row['id']!r}"
-        paths = image_paths(row)
-        if paths and self.image_processor is None:
+        sources = image_sources(row)
+        if sources and self.image_processor is None:
             raise DataError(f"{where} has images but the model checkpoint has no image processor")
         images = []
-        for path in paths:
+        for k, source in enumerate(sources):
             try:
-                images.append(self.load_image(path))
+                images.append(self.load_image(source))
             except Exception as err:  # noqa: BLE001 - PIL's decoders raise many types (OSError,
                 # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
-                raise DataError(f"{where}: cannot read image {path} ({err})") from None
+                name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
+                raise DataError(f"{where}: cannot read image {name} ({err})") from None
         return self.encode_with_images(row, images, index)
 
     def encode_with_images(self, row: dict, images: list[Image.Image], index: int) -> Prompt:
         """A row whose image parts are already loaded as `images` (in order) -> Prompt."""
         where = f"row id {row['id']!r}"
-        text = self.tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        messages = json_safe(row["messages"])
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         mm_inputs = {}
         if images:
             if self.image_processor is None:
@@ -103,7 +131,7 @@ class PromptEncoder:
             mm_inputs=mm_inputs,
             mm_token_types=token_types,
             index=index,
-            messages=row["messages"],
+            messages=messages,
         )
 
     def _expand_image_pads(self, text: str, mm_inputs: dict, where: str, n_images: int) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from vlrft.data.columns import Columns
 from vlrft.data.dataset import DataError, read_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.distributed import all_reduce_sum
@@ -21,8 +22,9 @@ from vlrft.types import Experience, Prompt
 
 
 class BadInput:
-    def __init__(self, mode: str, rank: int, world_size: int):
+    def __init__(self, mode: str, rank: int, world_size: int, columns: Columns = Columns()):
         self.skip = mode == "skip"
+        self.columns = columns  # how rows without "messages" are read (data.*_key)
         self.rank = rank
         self.world_size = world_size
         self.skipped_rows = 0  # rows left out before training (summed over ranks where rank-local)
@@ -33,8 +35,8 @@ class BadInput:
         print(f"vlrft: {where}{message}", flush=True)
 
     def load(self, path: str | Path) -> list[dict]:
-        """The valid rows of a JSONL file (every rank reads the whole file; rank 0 reports)."""
-        rows, problems = read_rows(path, skip_bad=self.skip)
+        """The valid rows of a data set (every rank reads all of it; rank 0 reports)."""
+        rows, problems = read_rows(path, skip_bad=self.skip, columns=self.columns)
         self.skipped_rows += len(problems)
         if problems and self.rank == 0:
             for problem in problems:

@@ -18,6 +18,7 @@ from vlrft.algo.value import ReturnStats
 from vlrft.config import Config, optimizer_steps_of_run, to_dict
 from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
+from vlrft.data.columns import columns_from
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
@@ -29,6 +30,7 @@ from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
 from vlrft.metrics.external_sinks import configured_sinks
 from vlrft.models.attention import resolve_attention
+from vlrft.models.hub import resolve_model_paths
 from vlrft.models.loader import (
     banned_token_ids,
     enable_gradient_checkpointing,
@@ -64,6 +66,7 @@ from vlrft.distributed import (
     local_world_size,
 )
 from vlrft.trainer.evaluate import evaluate
+from vlrft.trainer.rank_balance import balance_across_ranks
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
 from vlrft.trainer.update import policy_update
@@ -91,6 +94,7 @@ class SPMDTrainer:
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
         check_world_size(cfg, self.world_size, local_world_size())
+        resolve_model_paths(cfg)  # hub ids -> local snapshot directories
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
         self.step = 0
@@ -99,7 +103,7 @@ class SPMDTrainer:
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
         stop_ids = stop_token_ids(tokenizer)
-        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size)  # data.on_bad_sample
+        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data))
         self.train_rows = self.bad_input.load(cfg.data.train_path)
         eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})
@@ -243,10 +247,12 @@ class SPMDTrainer:
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
         experiences, made_metrics = self.maker.finish(kept, placeholder)
         made = time.perf_counter()
-        self.buffer.clear()
-        self.buffer.add(experiences or [placeholder])
         mark_correct(generated, self.rewards)
         metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | made_metrics
+        experiences, balance_metrics = balance_across_ranks(experiences)  # from here on, this rank's share
+        metrics |= balance_metrics
+        self.buffer.clear()
+        self.buffer.add(experiences or [placeholder])
         self._check_rewards_not_all_zero(generated)
         self.engine.sleep()  # the update needs the engine's accelerator memory
         if self.critic is not None:

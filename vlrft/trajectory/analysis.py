@@ -2,7 +2,8 @@
 
 A record is one scored response (one JSONL line of a saved step): at least "data_source",
 "group_id", "reward", "components" (name -> score), "correct" (0/1 by the accuracy recipe),
-"response_text", "response_length", "truncated", and optionally "entropy" (per token).
+"response_text" (or the "repetition" and "reflection_words" it gives), "response_length",
+"truncated", and optionally "entropy" (per token).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 import re
 import statistics
 from collections import defaultdict
+
+import torch
 
 from reward_recipes.repetition import repeated_ngram_fraction
 
@@ -48,24 +51,36 @@ def per_source_accuracy(records: list[dict]) -> dict[str, float]:
     return {source: sum(v) / len(v) for source, v in sorted(by_source.items())}
 
 
-def distribution(values: list[float]) -> dict[str, float]:
-    """mean / std (population) / min / p50 / p90 / max; empty input gives {}. Plain float
-    arithmetic (math.fsum): a run's token entropies can number in the millions."""
-    if not values:
+def distribution(values) -> dict[str, float]:
+    """mean / std (population) / min / p50 / p90 / max of a list or tensor; empty input gives
+    {}. Sorted and summed in float64: a run's token entropies can number in the millions."""
+    ordered = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values
+    if ordered.numel() == 0:
         return {}
-    ordered = sorted(values)
-    mean = math.fsum(ordered) / len(ordered)
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in ordered) / len(ordered))
+    mean = ordered.mean()
+    std = ((ordered - mean) ** 2).mean().sqrt()
 
     def quantile(q: float) -> float:  # nearest rank: the ceil(q * n)-th smallest
-        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
+        return float(ordered[max(0, math.ceil(q * ordered.numel()) - 1)])
 
-    return {"mean": mean, "std": std, "min": float(ordered[0]),
+    return {"mean": float(mean), "std": float(std), "min": float(ordered[0]),
             "p50": quantile(0.5), "p90": quantile(0.9), "max": float(ordered[-1])}
 
 
-def summarise(records: list[dict]) -> dict[str, float]:
-    """Flat statistics of a set of records (one step, or a whole run), keyed for metric sinks."""
+def text_numbers(record: dict) -> tuple[float, int]:
+    """(repetition score, reflection words) of a record's response: its "repetition" and
+    "reflection_words" where it carries them (the trainer computes them where the text is),
+    else from its "response_text"."""
+    if "repetition" in record:
+        return record["repetition"], record["reflection_words"]
+    text = record["response_text"]
+    return repetition_score(text), sum(reflection_counts(text).values())
+
+
+def summarise(records: list[dict], token_entropies=None) -> dict[str, float]:
+    """Flat statistics of a set of records (one step, or a whole run), keyed for metric sinks.
+    `token_entropies` (a tensor of every token's finite entropy) stands in for the records'
+    "entropy" lists when they carry none."""
     if not records:
         return {}
     out = {f"reward/{k}": v for k, v in distribution([r["reward"] for r in records]).items() if k in ("mean", "std")}
@@ -87,13 +102,13 @@ def summarise(records: list[dict]) -> dict[str, float]:
     out["accuracy"] = statistics.fmean(float(r["correct"]) for r in records)
     out |= {f"length/{k}": v for k, v in distribution([r["response_length"] for r in records]).items()}
     out["truncated_frac"] = statistics.fmean(float(r["truncated"]) for r in records)
-    out["repetition_mean"] = statistics.fmean(repetition_score(r["response_text"]) for r in records)
-    out["reflection_words_per_response"] = statistics.fmean(
-        sum(reflection_counts(r["response_text"]).values()) for r in records
-    )
+    texts = [text_numbers(r) for r in records]
+    out["repetition_mean"] = statistics.fmean(repetition for repetition, _ in texts)
+    out["reflection_words_per_response"] = statistics.fmean(words for _, words in texts)
     out["zero_variance_group_frac"] = zero_variance_group_fraction(
         [r["reward"] for r in records], [r["group_id"] for r in records]
     )
-    entropies = [h for r in records for h in (r.get("entropy") or []) if h is not None]  # None: non-finite
-    out |= {f"entropy/{k}": v for k, v in distribution(entropies).items() if k in ("mean", "p90", "max")}
+    if token_entropies is None:
+        token_entropies = [h for r in records for h in (r.get("entropy") or []) if h is not None]  # None: non-finite
+    out |= {f"entropy/{k}": v for k, v in distribution(token_entropies).items() if k in ("mean", "p90", "max")}
     return out

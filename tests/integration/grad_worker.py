@@ -5,7 +5,7 @@ Run under torchrun (any world size) or plain python (a world of one). Every rank
 backend and, just before the optimizer step, records the full gradient. SHARE "strided" keeps
 rank::world_size; "balanced" gives rank 0 all but the last experience, then evens the tokens
 out with trainer/rank_balance (which must move samples and lower the imbalance).
-Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE]
+Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE]]
 """
 
 import sys
@@ -13,7 +13,8 @@ import sys
 import torch
 
 
-def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str, share: str = "strided") -> None:
+def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str, share: str = "strided",
+         zero_stage: str = "2") -> None:
     from deepspeed.utils import safe_get_full_grad
 
     from vlrft.algo import LOSS_AGG_MODES
@@ -64,7 +65,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0",
         ])
         torch.manual_seed(0)
-        backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=2)
+        backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=int(zero_stage))
         buffer = ReplayBuffer(micro_batch_tokens, seed=rank)
         buffer.add(mine)
 

@@ -112,6 +112,13 @@ class DeepSpeedBackend:
         # The loss already carries its global normaliser: no rescaling by accumulation steps.
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)
+        # ZeRO-3 counts micro-batches in the engine's own forward (from the second on, a
+        # micro-batch adds its gradient to the partition buffer instead of overwriting it); our
+        # forwards call the HF module inside the engine, so the count advances here, after each
+        # backward. Without it every micro-batch but the last is lost (test_split_invariance).
+        # ZeRO-1/2 accumulate without that count (and clear their buffers there: not called).
+        if self.zero_stage == 3:
+            self.engine.optimizer.clear_backward_seen_flag()
 
     @property
     def lr(self) -> float:

@@ -78,11 +78,9 @@ def main() -> None:
     from vlrft.config import load_config
     from vlrft.data.columns import columns_from
     from vlrft.data.dataset import load_rows
-    from vlrft.distributed import init_distributed
     from vlrft.models.hub import resolve_model_paths
 
     cfg = load_config(args.config, args.overrides)
-    init_distributed()  # a world of one: the engine's helpers expect a process group
     resolve_model_paths(cfg)
     rows = load_rows(cfg.data.train_path, columns_from(cfg.data))
     rates = pass_rates(cfg, rows, args.samples)

@@ -56,7 +56,7 @@ def json_safe(messages: list[dict]) -> list[dict]:
             parts = []
             for part in content:
                 if part["type"] == "image":
-                    if isinstance(part["image"], bytes):
+                    if isinstance(part.get("image"), bytes):
                         part = {**part, "image": f"<image {k}>"}
                     k += 1
                 parts.append(part)

@@ -29,6 +29,7 @@ from pathlib import Path
 from PIL import Image
 
 from reward_recipes.answer_match import last_boxed
+from vlrft.data.columns import IMAGE_MARKER, split_at_markers
 
 BOXED = "Put the final answer in \\boxed{}."
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -102,16 +103,13 @@ def image_problem_row(source: str, instruction: str):
     def convert(row: dict, where: str, out: Path, name: str) -> dict:
         images = field(row, "images", where)
         images = images if isinstance(images, list) else [images]
-        pieces = field(row, "problem", where).split("<image>")
-        if len(pieces) - 1 > len(images):
-            raise ConvertError(f"{where}: {len(pieces) - 1} <image> markers, {len(images)} images")
+        problem = field(row, "problem", where)
+        markers = problem.count(IMAGE_MARKER)
+        if markers > len(images):
+            raise ConvertError(f"{where}: {markers} {IMAGE_MARKER} markers, {len(images)} images")
         paths = [save_image(cell, out, f"{name}_{k}", where) for k, cell in enumerate(images)]
-        parts = [{"type": "image", "image": p} for p in paths[len(pieces) - 1:]]  # images without a marker first
-        for k, piece in enumerate(pieces):
-            if k > 0:
-                parts.append({"type": "image", "image": paths[k - 1]})
-            if piece.strip():
-                parts.append({"type": "text", "text": piece.strip()})
+        unmarked = [{"type": "image", "image": p} for p in paths[markers:]]  # images without a marker go first
+        parts = unmarked + split_at_markers(problem, paths)
         parts.append({"type": "text", "text": instruction})
         return {"messages": user(parts), "answer": str(field(row, "answer", where)), "data_source": source, "meta": {}}
 

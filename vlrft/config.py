@@ -24,6 +24,20 @@ OFFLOAD_CHOICES = ("none", "optimizer", "all")
 ON_BAD_SAMPLE = ("error", "skip")
 
 
+# peft's name matching: a linear whose module name ends with one of these gets an adapter.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    # Adapter rank; 0 = full fine-tuning. > 0 trains only LoRA adapters on target_modules (the
+    # reference is the base model with adapters off; the engine gets merged weights).
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter input, in the update's forwards only
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class ModelConfig:
     path: str = ""  # policy: an HF checkpoint directory, or a hub model id (owner/name; models/hub.py)
@@ -39,6 +53,7 @@ class ModelConfig:
     # Recompute each decoder layer's activations in backward instead of keeping them (policy and
     # critic): activation memory of one layer instead of all, for ~30% more update compute.
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -52,8 +67,9 @@ class DataConfig:
     image_key: str = "images"
     system_prompt: str = ""  # a system message for mapped rows whose prompt has none
     prompt_template: str = "{prompt}"  # a string prompt in context, e.g. "{prompt} Answer in \\boxed{}."
-    min_pixels: int = 56 * 56  # images are resized into [min_pixels, max_pixels]
-    max_pixels: int = 112 * 112
+    # Images are resized into [min_pixels, max_pixels] (Qwen-VL: 28 x 28 pixels per visual token).
+    min_pixels: int = 56 * 56
+    max_pixels: int = 1280 * 28 * 28
     max_prompt_tokens: int = 1024  # longer prompts are rejected naming the row
     # Supervised rows (canonical schema; `answer` is the target response) mixed into the actor
     # update with algo.ptx_coef; empty = no PTX term.
@@ -73,7 +89,7 @@ class RolloutConfig:
     vllm_memory_fraction: float = 0.5
     rollout_prompts: int = 16  # prompts per step, global over all ranks
     n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)
-    max_new_tokens: int = 32
+    max_new_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
     # Best-of-n: generate this many responses per prompt and keep the n_samples_per_prompt
@@ -157,7 +173,7 @@ class TrainConfig:
     # each normalised on its own over all ranks (verl's ppo_mini_batch_size, TRL's
     # steps_per_generation, expressed as a count).
     mini_batches: int = 1
-    lr: float = 1e-4
+    lr: float = 1e-6  # full fine-tuning of a 1.5B-7B policy; LoRA adapters take ~1e-5-1e-4
     lr_schedule: str = "constant"  # constant | cosine (decays to 10% of lr over all optimizer steps)
     warmup_steps: int = 0  # optimizer steps of linear lr warm-up from 0, then the schedule
     weight_decay: float = 0.0

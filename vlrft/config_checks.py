@@ -12,6 +12,7 @@ from vlrft.config import (
     ON_BAD_SAMPLE,
     WANDB_MODES,
     Config,
+    LoraConfig,
     ModelConfig,
     RewardConfig,
     component_name,
@@ -26,6 +27,24 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
     problem = precision_config_problem(model.attention, model.compute_dtype, zero_stage)
     if problem:
         raise ConfigError(problem)
+    lora, defaults = model.lora, LoraConfig()
+    if lora.rank < 0:
+        raise ConfigError(f"config key 'model.lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        if (lora.alpha, lora.dropout, lora.target_modules) != (defaults.alpha, defaults.dropout, defaults.target_modules):
+            raise ConfigError("config keys 'model.lora.*' apply to LoRA training: set model.lora.rank > 0")
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"config key 'model.lora.dropout' must be in [0, 1), got {lora.dropout}")
+    if not lora.target_modules:
+        raise ConfigError("config key 'model.lora.target_modules' must name at least one module")
+    if model.ref_path:
+        raise ConfigError(
+            "config key 'model.ref_path' cannot be combined with model.lora: the reference of a LoRA policy "
+            "is its base model (adapters off)"
+        )
 
 
 def validate(cfg: Config) -> None:
@@ -203,6 +222,8 @@ def _validate_algo(cfg: Config) -> None:
     need(kl.placement in ("loss", "reward"), f"config key 'algo.kl.placement' must be loss or reward, got '{kl.placement}'")
     need(kl.coef >= 0 and kl.target >= 0, "config keys 'algo.kl.coef' and 'algo.kl.target' must be >= 0")
     need(0 <= kl.ref_ema_eta <= 1, f"config key 'algo.kl.ref_ema_eta' must be in [0, 1], got {kl.ref_ema_eta}")
+    need(kl.ref_ema_eta == 0 or cfg.model.lora.rank == 0,
+         "config key 'algo.kl.ref_ema_eta' cannot be combined with model.lora: the reference is the base model itself")
     need(kl.coef > 0 or (kl.target == 0 and kl.ref_ema_eta == 0),
          "config keys 'algo.kl.target' and 'algo.kl.ref_ema_eta' need a reference model: set algo.kl.coef > 0")
     # Critic

@@ -5,7 +5,9 @@ Run under torchrun (any world size) or plain python (a world of one). Every rank
 backend and, just before the optimizer step, records the full gradient. SHARE "strided" keeps
 rank::world_size; "balanced" gives rank 0 all but the last experience, then evens the tokens
 out with trainer/rank_balance (which must move samples and lower the imbalance).
-Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE]]
+LORA_RANK > 0 trains LoRA adapters (random, seeded B, so every adapter has a gradient) and
+records their gradient only.
+Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE [LORA_RANK]]]
 """
 
 import sys
@@ -14,7 +16,7 @@ import torch
 
 
 def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str, share: str = "strided",
-         zero_stage: str = "2") -> None:
+         zero_stage: str = "2", lora_rank: str = "0") -> None:
     from deepspeed.utils import safe_get_full_grad
 
     from vlrft.algo import LOSS_AGG_MODES
@@ -23,7 +25,9 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.data.dataset import load_rows
     from vlrft.data.encoding import PromptEncoder
     from vlrft.experience.replay_buffer import ReplayBuffer
+    from vlrft.config import LORA_TARGETS
     from vlrft.models.loader import load_model
+    from vlrft.models.lora import add_lora
     from vlrft.distributed import init_distributed
     from vlrft.trainer.rank_balance import balance_across_ranks
     from vlrft.trainer.update import policy_update
@@ -65,12 +69,20 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0",
         ])
         torch.manual_seed(0)
-        backend = DeepSpeedBackend(load_model(model_dir), lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=int(zero_stage))
+        model = load_model(model_dir)
+        if int(lora_rank) > 0:
+            add_lora(model, int(lora_rank), 8.0, 0.0, LORA_TARGETS)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        backend = DeepSpeedBackend(model, lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=int(zero_stage))
         buffer = ReplayBuffer(micro_batch_tokens, seed=rank)
         buffer.add(mine)
 
         def record_then_step(step=backend.step):
-            grads[mode] = torch.cat([safe_get_full_grad(p).flatten().clone() for p in backend.module.parameters()])
+            trained = [p for p in backend.module.parameters() if p.requires_grad]
+            grads[mode] = torch.cat([safe_get_full_grad(p).flatten().clone() for p in trained])
             return step()
 
         backend.step = record_then_step

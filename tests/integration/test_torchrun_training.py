@@ -71,3 +71,35 @@ def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, 
     if kind == "vl":
         vision = {f"model.visual.{n}" for n, _ in vision_tower(before).named_parameters()}
         assert vision & changed, "the vision tower received no gradient"
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_rank_lora_training_exports_merged_model_and_adapter(zero_stage, tiny_vl, colour_data, tmp_path):
+    from peft import PeftModel
+
+    (tmp_path / "recipe.py").write_text(RECIPE)
+    config = {
+        "model": {"path": tiny_vl, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}},
+        "data": {"train_path": str(colour_data / "train.jsonl")},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "algo": {"kl": {"coef": 0.01}},
+        "train": {"total_steps": 2, "lr": 5e-2, "zero_stage": zero_stage, "micro_batch_tokens": 200},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
+        "eval": {"every_steps": 0},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    proc = run_torchrun(tmp_path / "cfg.yaml", tmp_path)
+    assert "parameters train (model.lora)" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["rollout/kl"] != 0.0  # step 2 sampled from the adapted policy, scored against its base
+
+    final = tmp_path / "run" / "final"
+    merged, base = load_model(str(final)), load_model(tiny_vl)
+    changed = {n for (n, a), (_, b) in zip(base.named_parameters(), merged.named_parameters()) if not torch.equal(a, b)}
+    assert changed and all(n.endswith("_proj.weight") for n in changed), sorted(changed)[:5]
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        expected = merged(input_ids=ids).logits
+        got = PeftModel.from_pretrained(base, str(final / "adapter"))(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -63,6 +63,12 @@ def read_rows(path: str | Path, skip_bad: bool, columns: Columns = Columns()) ->
     return rows, problems
 
 
+def canonical_row(raw, number: int, columns: Columns = Columns()) -> dict:
+    """One row given in Python (the trainer's `step` API) read as a data file's row would be;
+    its image paths are relative to the working directory. Errors name it "prompt:<number>"."""
+    return _validate_row(raw, Path("prompt"), number, columns, Path.cwd())
+
+
 def jsonl_rows(path: Path):
     """(line number, row or the DataError of an unreadable line) of a JSONL file."""
     with path.open("rb") as f:  # decoded line by line: one non-UTF-8 line is one bad line

@@ -35,8 +35,11 @@ def chunked_token_stats(
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens], head, temperature)
         if torch.is_grad_enabled():
-            # Recompute the chunk's logits in backward instead of keeping them.
-            logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
+            # Recompute the chunk's logits in backward instead of keeping them. No metadata
+            # check of the recomputed tensors: under ZeRO-3 a frozen head (LoRA) is released
+            # right after its recompute and gathered again for its own backward, so the check,
+            # which runs in between, would see an empty partition where the weight was.
+            logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False, determinism_check="none")
         else:
             logp, entropy = _chunk_stats(*args)
         logps.append(logp)

@@ -14,6 +14,7 @@ the normaliser over a 150k vocabulary never accumulates in bf16.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -50,7 +51,9 @@ def policy_forward(
     """
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
     extra = {"output_router_logits": True} if moe_aux else {}
-    with decoder_autocast(inner):
+    # A LoRA policy's reference is the policy with adapters off (models/lora.py BaseModelView).
+    context = getattr(model, "forward_context", contextlib.nullcontext)
+    with decoder_autocast(inner), context():
         base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
         return _head_stats(inner, batch, base, temperature, moe_aux, keep_logits, chunk_tokens)
 

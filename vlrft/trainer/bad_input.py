@@ -44,10 +44,13 @@ class BadInput:
             print(f"vlrft: skipped {len(problems)} bad rows of {path} (on_bad_sample: skip)", flush=True)
         return rows
 
-    def encode(self, encoder: PromptEncoder, items: list[tuple[dict, int]]) -> tuple[list[Prompt], int]:
+    def encode(
+        self, encoder: PromptEncoder, items: list[tuple[dict, int]], problems: list[str] | None = None
+    ) -> tuple[list[Prompt], int]:
         """Encode this rank's (row, stream index) pairs -> (prompts, prompts skipped on all
-        ranks). A collective: every rank calls it, with however many items it has."""
-        prompts, problems = [], []
+        ranks). A collective: every rank calls it, with however many items it has. `problems`:
+        rows this rank already found bad (they count and stop or skip like the rest)."""
+        prompts, problems = [], list(problems or [])
         for row, index in items:
             try:
                 prompts.append(encoder.encode(row, index))

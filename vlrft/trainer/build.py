@@ -48,7 +48,8 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     policy forward: when the batch feeds exactly one optimizer step the old policy is the one
     being updated (ratio exactly 1). Not when anything before the update needs the policy's
     logprobs: the KL in the reward, the exact-vocabulary KL (it needs the policy's logits), or
-    actor-frozen critic warm-up steps (no update fills them)."""
+    actor-frozen critic warm-up steps (no update fills them). Nor with LoRA dropout: the
+    update's forward is then not the rollout policy's function."""
     algo = cfg.algo
     needs_policy_kl = algo.kl.coef > 0 and (algo.kl.placement == "reward" or kl_estimator_name(algo.kl) == FULL_KL)
     return (
@@ -56,6 +57,7 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and cfg.train.mini_batches == 1
         and cfg.critic.freeze_actor_steps == 0
         and not needs_policy_kl
+        and cfg.model.lora.dropout == 0
     )
 
 

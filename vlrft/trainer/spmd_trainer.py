@@ -19,6 +19,7 @@ from vlrft.config import Config, optimizer_steps_of_run, to_dict
 from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
+from vlrft.data.dataset import DataError, canonical_row
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
@@ -39,6 +40,10 @@ from vlrft.models.loader import (
     stop_token_ids,
     vision_tower,
 )
+from vlrft.models.collate import gather_responses
+from vlrft.models.forward import token_logprobs
+from vlrft.models.packing import micro_batches
+from vlrft.models.lora import BaseModelView, add_lora, dropout_active, merged_weights, save_adapter
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
@@ -57,6 +62,7 @@ from vlrft.trainer.checkpoint import (
 )
 from vlrft.trainer.critic_update import critic_update
 from vlrft.distributed import (
+    all_gather_1d,
     all_reduce_max_int,
     all_reduce_sum,
     barrier,
@@ -69,6 +75,7 @@ from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.rank_balance import balance_across_ranks
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
+from vlrft.trainer.step_api import check_shapes, scored_experiences
 from vlrft.trainer.update import policy_update
 from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
@@ -97,12 +104,12 @@ class SPMDTrainer:
         resolve_model_paths(cfg)  # hub ids -> local snapshot directories
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
-        self.step = 0
+        self.global_step = 0
         resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank)
 
         self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
         tokenizer = self.encoder.tokenizer
-        stop_ids = stop_token_ids(tokenizer)
+        self.stop_ids = stop_ids = stop_token_ids(tokenizer)
         self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data))
         self.train_rows = self.bad_input.load(cfg.data.train_path)
         eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
@@ -140,6 +147,13 @@ class SPMDTrainer:
             raise ConfigError(
                 f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
             )
+        self.lora_scalings: dict[str, float] = {}  # adapted linear -> alpha / rank; empty = full fine-tuning
+        if cfg.model.lora.rank > 0:
+            lora = cfg.model.lora
+            try:
+                self.lora_scalings = add_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         critic = load_value_model(cfg.critic.path or cfg.model.path, *precision) if cfg.critic.enabled else None
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
@@ -154,10 +168,17 @@ class SPMDTrainer:
                 freeze_vision_tower(critic.backbone)
             if self.rank == 0:
                 print(f"vlrft: froze {self.frozen_vision_parameters} vision-tower parameters (model.freeze_vision)")
+        if self.rank == 0 and self.lora_scalings:
+            trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in policy.parameters())
+            print(f"vlrft: LoRA on {len(self.lora_scalings)} linears: {trainable} of {total} parameters train (model.lora)")
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
-        self.reference = load_reference(cfg, precision) if cfg.algo.kl.coef > 0 else None
+        self.reference = None
+        if cfg.algo.kl.coef > 0:
+            # A LoRA policy's reference is its own base weights (adapters off): no second copy.
+            self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
         # Last of the models: a GPU engine sizes its memory budget from what is still free.
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
         self.kl_controller = kl_controller(cfg)
@@ -179,7 +200,7 @@ class SPMDTrainer:
         # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
         self.policy_ema = None
         if cfg.train.ema_beta > 0:
-            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.backend.named_full_parameters()}
+            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
         self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank)
         self.sampler = PromptSampler(
             len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
@@ -205,11 +226,11 @@ class SPMDTrainer:
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg
-        if self.step == 0:  # a resumed run evaluated its start already
+        if self.global_step == 0:  # a resumed run evaluated its start already
             self._maybe_evaluate(0)
-        while self.step < cfg.train.total_steps:
-            metrics = self.train_step()  # advances self.step
-            step = self.step
+        while self.global_step < cfg.train.total_steps:
+            metrics = self.train_step()  # advances self.global_step
+            step = self.global_step
             self.logger.log(step, metrics)
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
                 self._maybe_evaluate(step)
@@ -219,7 +240,7 @@ class SPMDTrainer:
             if stop:
                 self.logger.close()
                 raise TrainingStopped(step, saved, self.stop_signal or signal.SIGTERM)
-        self.backend.save_hf(self.out_dir / "final")
+        self._export_policy(self.out_dir / "final")
         exported = [self.out_dir / "final"]
         if self.policy_ema is not None:
             if self.rank == 0:
@@ -237,12 +258,58 @@ class SPMDTrainer:
 
     def train_step(self) -> dict[str, float]:
         """One RL step: sample, generate and score, update, sync the engine. Returns metrics."""
-        cfg = self.cfg
-        self.step += 1
+        self.global_step += 1
         start = time.perf_counter()
         kept, generated, metrics = self._collect_experiences()
-        if self.step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
+        if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
             metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
+        return self._learn(kept, generated, metrics, start)
+
+    def step(self, prompts: list[dict], responses: list[list], scores: list[list[float]]) -> dict[str, float]:
+        """One RL step on responses generated and scored elsewhere (TRL's `PPOTrainer.step`):
+        this rank's `prompts` (rows as in a data file), per prompt a group of `responses`
+        (text, or token ids) and their `scores` (the rewards). The same experience pass,
+        advantages, update and engine sync as `train_step`. A collective: every rank calls it.
+        Returns the step's metrics."""
+        check_shapes(len(prompts), responses, scores)
+        start = time.perf_counter()
+        counts = all_gather_1d(torch.tensor([len(prompts)])).tolist()
+        first = sum(counts[: self.rank])  # group ids unique over all ranks
+        items, problems = [], []  # a bad row must stop (or be skipped on) every rank, not hang the others
+        for i, row in enumerate(prompts):
+            try:
+                items.append((canonical_row(row, i, self.bad_input.columns), first + i))
+            except DataError as err:
+                problems.append(str(err))
+        encoded, skipped = self.bad_input.encode(self.encoder, items, problems)
+        kept = [p.index - first for p in encoded]  # with data.on_bad_sample: skip, bad prompts are left out
+        scored = scored_experiences(
+            encoded, [responses[i] for i in kept], [scores[i] for i in kept], self.encoder.tokenizer, self.stop_ids
+        )
+        self.global_step += 1  # only now: a step stopped by bad input does not count
+        return self._learn(scored, scored, {"data/skipped_prompts": float(skipped)}, start)
+
+    @torch.no_grad()
+    def response_logprobs(self, prompts: list[dict], responses: list[list]) -> list[list[float]]:
+        """Each response's logprob (the sum over its tokens, at the sampling temperature) under
+        the current policy, for `step`'s prompts and responses. A collective: every rank calls it."""
+        check_shapes(len(prompts), responses, responses)
+        encoded = [self.encoder.encode(canonical_row(row, i, self.bad_input.columns), i) for i, row in enumerate(prompts)]
+        scored = scored_experiences(encoded, responses, [[0.0] * len(r) for r in responses], self.encoder.tokenizer, self.stop_ids)
+        rollouts = [e.rollout for e in scored]
+        placeholder = self.bad_input.placeholder(self.encoder, self.train_rows).rollout
+        sums: dict[int, float] = {}
+        for batch in micro_batches(rollouts, self.cfg.train.micro_batch_tokens, placeholder):
+            logp = token_logprobs(self.backend.model, batch, self.cfg.rollout.temperature)
+            if not batch.dummy:
+                for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):
+                    sums[id(rollout)] = float(row.sum())
+        flat = iter(sums[id(r)] for r in rollouts)
+        return [[next(flat) for _ in group] for group in responses]
+
+    def _learn(self, kept: list[Experience], generated: list[Experience], metrics: dict, start: float) -> dict[str, float]:
+        """The step after scoring: experience pass, balance, update, engine sync. Returns metrics."""
+        cfg = self.cfg
         # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
         experiences, made_metrics = self.maker.finish(kept, placeholder)
@@ -257,20 +324,21 @@ class SPMDTrainer:
         self.engine.sleep()  # the update needs the engine's accelerator memory
         if self.critic is not None:
             metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
-        actor_updates = self.step > cfg.critic.freeze_actor_steps
+        actor_updates = self.global_step > cfg.critic.freeze_actor_steps
         if actor_updates:
             metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
             ptx = self.ptx.next_examples() if self.ptx is not None else []
-            metrics |= policy_update(
-                self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
-                self.image_check, old_from_update=not self.maker.settings.policy_pass,
-            )
+            with dropout_active(self.backend.module, cfg.model.lora.dropout > 0):
+                metrics |= policy_update(
+                    self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
+                    self.image_check, old_from_update=not self.maker.settings.policy_pass,
+                )
         updated = time.perf_counter()
         if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
             metrics |= self.maker.policy_metrics(experiences)[0]
         metrics |= trajectory_metrics(experiences)
-        if self.saver.due(self.step, cfg.train.total_steps):
-            self.saver.save(self.step, experiences, [e.correct for e in experiences])
+        if self.saver.due(self.global_step, cfg.train.total_steps):
+            self.saver.save(self.global_step, experiences, [e.correct for e in experiences])
         self.engine.wake()
         synced = time.perf_counter()
         if actor_updates:
@@ -297,7 +365,7 @@ class SPMDTrainer:
             items = [(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
             prompts, bad = self.bad_input.encode(self.encoder, items)  # bad prompts: all ranks
             skipped += bad
-            scored = self.maker.generate_and_score(prompts, derived_seed(self.cfg.train.seed, self.step, rounds))
+            scored = self.maker.generate_and_score(prompts, derived_seed(self.cfg.train.seed, self.global_step, rounds))
             generated += scored
             rounds += 1
             if not rollout.dynamic_sampling:
@@ -333,7 +401,7 @@ class SPMDTrainer:
         ref_params = dict(self.reference.named_parameters()) if self.reference is not None and eta > 0 else None
 
         def params():
-            for name, tensor in self.backend.named_full_parameters():
+            for name, tensor in self.policy_weights():
                 if ref_params is not None:
                     ref_params[name].data.lerp_(tensor.to(ref_params[name].dtype), eta)
                 if self.policy_ema is not None:
@@ -341,6 +409,29 @@ class SPMDTrainer:
                 yield name, tensor
 
         self.engine.update_weights(params())
+
+    def policy_weights(self):
+        """(HF name, full tensor) of the policy as the engine and exports see it: a LoRA
+        policy's adapters merged into its base weights (collective under ZeRO-3)."""
+        named = self.backend.named_full_parameters()
+        return merged_weights(named, self.lora_scalings) if self.lora_scalings else named
+
+    def _export_policy(self, out_dir: Path) -> None:
+        """An HF checkpoint of the policy; a LoRA policy's is merged, with its adapter in
+        peft's format beside it (out_dir/adapter)."""
+        if not self.lora_scalings:
+            self.backend.save_hf(out_dir)
+            return
+        adapters: dict[str, torch.Tensor] = {}
+        merged: dict[str, torch.Tensor] = {}
+        for name, tensor in merged_weights(self.backend.named_full_parameters(), self.lora_scalings, adapters):
+            if self.rank == 0:  # every rank walks the (collective) stream; one keeps the copy
+                merged[name] = tensor.detach().cpu()
+        if self.rank == 0:
+            lora = self.cfg.model.lora
+            self.backend.module.save_pretrained(out_dir, state_dict=merged)
+            save_adapter(out_dir / "adapter", adapters, lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.cfg.model.path)
+        barrier()
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -350,7 +441,7 @@ class SPMDTrainer:
 
     def save_checkpoint(self) -> Path:
         """Write this step's checkpoint (collective; layout and atomicity: trainer/checkpoint.py)."""
-        temporary = temporary_dir(self.out_dir, self.step)
+        temporary = temporary_dir(self.out_dir, self.global_step)
         if self.rank == 0:
             clear_temporaries(self.out_dir)
             temporary.mkdir(parents=True)
@@ -371,7 +462,7 @@ class SPMDTrainer:
             moving_reference = self.reference is not None and self.cfg.algo.kl.ref_ema_eta > 0
             torch.save(
                 {
-                    "step": self.step,
+                    "step": self.global_step,
                     "world_size": self.world_size,
                     "config": to_dict(self.cfg),
                     "kl_controller": self.kl_controller.state_dict(),
@@ -384,7 +475,7 @@ class SPMDTrainer:
                 temporary / "trainer.pt",
             )
         barrier()  # every rank's files are complete: only now may the checkpoint appear
-        final = temporary.with_name(step_dir_name(self.step))
+        final = temporary.with_name(step_dir_name(self.global_step))
         if self.rank == 0:
             publish(temporary, self.cfg.checkpoint.keep_last)
         barrier()
@@ -409,7 +500,7 @@ class SPMDTrainer:
         self.backend.load_checkpoint(path / "policy")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        self.step = state["step"]
+        self.global_step = state["step"]
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.return_stats is not None:
             self.return_stats.load_state_dict(state["return_stats"])
@@ -423,9 +514,9 @@ class SPMDTrainer:
         if self.ptx is not None:
             self.ptx.position = mine["ptx_position"]
         self.buffer.generator.set_state(mine["buffer_generator"])
-        self.engine.update_weights(self.backend.named_full_parameters())  # serve the restored policy
+        self.engine.update_weights(self.policy_weights())  # serve the restored policy
         if self.rank == 0:
-            print(f"vlrft: resumed from {path} at step {self.step}", flush=True)
+            print(f"vlrft: resumed from {path} at step {self.global_step}", flush=True)
         set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
 
     def _maybe_evaluate(self, step: int) -> None:
@@ -435,7 +526,7 @@ class SPMDTrainer:
             self.engine.update_weights(self.policy_ema.items())
         metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources)
         if self.policy_ema is not None:
-            self.engine.update_weights(self.backend.named_full_parameters())
+            self.engine.update_weights(self.policy_weights())
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
 

@@ -43,7 +43,7 @@ def policy_state_bytes(params: float, ranks: int, zero_stage: int, offload: str)
 
 def row(name: str, params: float, ranks: int, zero_stage: int, offload: str, gpu_gib: float) -> str:
     policy = policy_state_bytes(params, ranks, zero_stage, offload)
-    reference = 2 * params  # frozen, held in bf16 under bf16 compute (trainer: load_reference)
+    reference = 2 * params  # frozen, held in bf16 under bf16 compute (trainer/build.py: load_reference)
     # The engine's copy while it serves: vLLM bf16 weights (sleeps during the update), the HF
     # engine's bf16 copy (stays). Counted once: the peak is the update or the rollout.
     engine_weights = 2 * params

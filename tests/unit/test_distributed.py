@@ -25,7 +25,7 @@ from vlrft.distributed import (
 )
 from vlrft.engines.base import derived_seed
 from vlrft.engines.vllm_engine import groups_spanning_nodes, request_seeds, tp_groups
-from vlrft.trainer.spmd_trainer import resume_decision
+from vlrft.trainer.checkpoint import resume_decision
 
 PACKAGE = Path(vlrft.__file__).parent
 

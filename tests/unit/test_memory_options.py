@@ -13,7 +13,8 @@ from vlrft.config import ConfigError, load_config
 from vlrft.models.packing import pack
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import enable_gradient_checkpointing, load_model
-from vlrft.trainer.spmd_trainer import SPMDTrainer, load_reference
+from vlrft.trainer.build import load_reference
+from vlrft.trainer.spmd_trainer import SPMDTrainer
 
 
 @pytest.fixture(scope="module")

@@ -147,3 +147,18 @@ def save_adapter(out_dir: Path, adapters: dict[str, torch.Tensor], rank: int, al
     config.save_pretrained(str(out_dir))
     state = {"base_model.model." + n.replace(f".{ADAPTER}.", "."): t.detach().cpu().contiguous() for n, t in adapters.items()}
     save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def export_lora(named, scalings: dict[str, float], module: torch.nn.Module, out_dir: Path, lora, base_model: str,
+                write: bool) -> None:
+    """`out_dir`: the merged model (HF checkpoint) and `out_dir/adapter` (peft format). Every
+    rank walks the (under ZeRO-3 collective) parameter stream; the one with `write` keeps the
+    copy and writes. `lora` is the model.lora config section."""
+    adapters: dict[str, torch.Tensor] = {}
+    merged: dict[str, torch.Tensor] = {}
+    for name, tensor in merged_weights(named, scalings, adapters):
+        if write:
+            merged[name] = tensor.detach().cpu()
+    if write:
+        module.save_pretrained(out_dir, state_dict=merged)
+        save_adapter(out_dir / "adapter", adapters, lora.rank, lora.alpha, lora.dropout, lora.target_modules, base_model)

@@ -8,7 +8,9 @@ from vlrft.algo.estimate import AdvantageOptions
 from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
 from vlrft.config import Config, kl_estimator_name
+from vlrft.distributed import device
 from vlrft.engines import SamplingParams
+from vlrft.models.loader import load_model
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
 
 
@@ -84,3 +86,13 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None)
         ),
         policy_pass=not old_logprobs_from_update(cfg),
     )
+
+
+def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
+    """The frozen reference policy on this rank's device. With bf16 compute it is held in bf16
+    (it has no optimizer and needs no fp32 master copy: half the memory, same matmul inputs as
+    autocast gives); a moving reference (algo.kl.ref_ema_eta) keeps fp32, where small EMA steps
+    do not round away."""
+    weights = "bfloat16" if precision[1] == "bfloat16" and cfg.algo.kl.ref_ema_eta == 0 else "float32"
+    model = load_model(cfg.model.ref_path or cfg.model.path, *precision, weights_dtype=weights)
+    return model.eval().requires_grad_(False).to(device())

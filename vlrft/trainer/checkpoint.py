@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlrft.distributed import broadcast_from_rank0
 from vlrft.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -154,3 +155,25 @@ def changed_state_keys(saved: dict, current: dict) -> list[str]:
         return cfg
 
     return [key for key in STATE_SHAPING_KEYS if value(saved, key) != value(current, key)]
+
+
+def resume_decision(resume: str, out_dir: Path, rank: int) -> tuple[Path | None, int]:
+    """(checkpoint to resume from or None, its step), decided by rank 0 and broadcast: ranks on
+    different nodes may see a shared file system at different moments, and must not disagree
+    on whether to resume. A bad `checkpoint.resume` fails on every rank with rank 0's message."""
+    decision: tuple = (None, 0, "")
+    if rank == 0:
+        try:
+            path = resume_path(resume, out_dir)
+            decision = (str(path) if path else None, checkpoint_step(path) if path else 0, "")
+        except ConfigError as err:
+            decision = (None, 0, str(err))
+    path, step, problem = broadcast_from_rank0(decision)
+    if problem:
+        raise ConfigError(problem)
+    return (Path(path) if path else None), step
+
+
+def cpu_state_dict(module: torch.nn.Module) -> dict:
+    """A state dict of CPU tensors: a checkpoint must load on any rank's device (map_location)."""
+    return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}

@@ -19,7 +19,6 @@ from vlrft.config import Config, optimizer_steps_of_run, to_dict
 from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
-from vlrft.data.dataset import DataError, canonical_row
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
@@ -40,21 +39,18 @@ from vlrft.models.loader import (
     stop_token_ids,
     vision_tower,
 )
-from vlrft.models.collate import gather_responses
-from vlrft.models.forward import token_logprobs
-from vlrft.models.packing import micro_batches
-from vlrft.models.lora import BaseModelView, add_lora, dropout_active, merged_weights, save_adapter
+from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
-from vlrft.trainer.build import kl_controller, maker_settings, reward_shaper
+from vlrft.trainer.build import kl_controller, load_reference, maker_settings, reward_shaper
 from vlrft.trainer.checkpoint import (
     changed_state_keys,
-    checkpoint_step,
+    cpu_state_dict,
     clear_temporaries,
     discard_after,
     publish,
-    resume_path,
+    resume_decision,
     rng_state,
     set_rng_state,
     step_dir_name,
@@ -62,12 +58,9 @@ from vlrft.trainer.checkpoint import (
 )
 from vlrft.trainer.critic_update import critic_update
 from vlrft.distributed import (
-    all_gather_1d,
     all_reduce_max_int,
     all_reduce_sum,
     barrier,
-    broadcast_from_rank0,
-    device,
     init_distributed,
     local_world_size,
 )
@@ -75,7 +68,7 @@ from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.rank_balance import balance_across_ranks
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
-from vlrft.trainer.step_api import check_shapes, scored_experiences
+from vlrft.trainer.step_api import response_logprobs, train_on_responses
 from vlrft.trainer.update import policy_update
 from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
@@ -266,46 +259,12 @@ class SPMDTrainer:
         return self._learn(kept, generated, metrics, start)
 
     def step(self, prompts: list[dict], responses: list[list], scores: list[list[float]]) -> dict[str, float]:
-        """One RL step on responses generated and scored elsewhere (TRL's `PPOTrainer.step`):
-        this rank's `prompts` (rows as in a data file), per prompt a group of `responses`
-        (text, or token ids) and their `scores` (the rewards). The same experience pass,
-        advantages, update and engine sync as `train_step`. A collective: every rank calls it.
-        Returns the step's metrics."""
-        check_shapes(len(prompts), responses, scores)
-        start = time.perf_counter()
-        counts = all_gather_1d(torch.tensor([len(prompts)])).tolist()
-        first = sum(counts[: self.rank])  # group ids unique over all ranks
-        items, problems = [], []  # a bad row must stop (or be skipped on) every rank, not hang the others
-        for i, row in enumerate(prompts):
-            try:
-                items.append((canonical_row(row, i, self.bad_input.columns), first + i))
-            except DataError as err:
-                problems.append(str(err))
-        encoded, skipped = self.bad_input.encode(self.encoder, items, problems)
-        kept = [p.index - first for p in encoded]  # with data.on_bad_sample: skip, bad prompts are left out
-        scored = scored_experiences(
-            encoded, [responses[i] for i in kept], [scores[i] for i in kept], self.encoder.tokenizer, self.stop_ids
-        )
-        self.global_step += 1  # only now: a step stopped by bad input does not count
-        return self._learn(scored, scored, {"data/skipped_prompts": float(skipped)}, start)
+        """One RL step on responses generated and scored elsewhere (trainer/step_api.py)."""
+        return train_on_responses(self, prompts, responses, scores)
 
-    @torch.no_grad()
     def response_logprobs(self, prompts: list[dict], responses: list[list]) -> list[list[float]]:
-        """Each response's logprob (the sum over its tokens, at the sampling temperature) under
-        the current policy, for `step`'s prompts and responses. A collective: every rank calls it."""
-        check_shapes(len(prompts), responses, responses)
-        encoded = [self.encoder.encode(canonical_row(row, i, self.bad_input.columns), i) for i, row in enumerate(prompts)]
-        scored = scored_experiences(encoded, responses, [[0.0] * len(r) for r in responses], self.encoder.tokenizer, self.stop_ids)
-        rollouts = [e.rollout for e in scored]
-        placeholder = self.bad_input.placeholder(self.encoder, self.train_rows).rollout
-        sums: dict[int, float] = {}
-        for batch in micro_batches(rollouts, self.cfg.train.micro_batch_tokens, placeholder):
-            logp = token_logprobs(self.backend.model, batch, self.cfg.rollout.temperature)
-            if not batch.dummy:
-                for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):
-                    sums[id(rollout)] = float(row.sum())
-        flat = iter(sums[id(r)] for r in rollouts)
-        return [[next(flat) for _ in group] for group in responses]
+        """Each response's summed logprob under the current policy (trainer/step_api.py)."""
+        return response_logprobs(self, prompts, responses)
 
     def _learn(self, kept: list[Experience], generated: list[Experience], metrics: dict, start: float) -> dict[str, float]:
         """The step after scoring: experience pass, balance, update, engine sync. Returns metrics."""
@@ -422,15 +381,8 @@ class SPMDTrainer:
         if not self.lora_scalings:
             self.backend.save_hf(out_dir)
             return
-        adapters: dict[str, torch.Tensor] = {}
-        merged: dict[str, torch.Tensor] = {}
-        for name, tensor in merged_weights(self.backend.named_full_parameters(), self.lora_scalings, adapters):
-            if self.rank == 0:  # every rank walks the (collective) stream; one keeps the copy
-                merged[name] = tensor.detach().cpu()
-        if self.rank == 0:
-            lora = self.cfg.model.lora
-            self.backend.module.save_pretrained(out_dir, state_dict=merged)
-            save_adapter(out_dir / "adapter", adapters, lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.cfg.model.path)
+        export_lora(self.backend.named_full_parameters(), self.lora_scalings, self.backend.module, out_dir,
+                    self.cfg.model.lora, self.cfg.model.path, write=self.rank == 0)
         barrier()
 
     def _request_stop(self, signum, frame) -> None:
@@ -546,35 +498,3 @@ class SPMDTrainer:
             raise RewardError(problem)
         if self.zero_reward_watch.warn_now() and self.rank == 0:
             print(f"vlrft: warning: {problem} (algo.zero_reward_patience makes this an error)", flush=True)
-
-
-def resume_decision(resume: str, out_dir: Path, rank: int) -> tuple[Path | None, int]:
-    """(checkpoint to resume from or None, its step), decided by rank 0 and broadcast: ranks on
-    different nodes may see a shared file system at different moments, and must not disagree
-    on whether to resume. A bad `checkpoint.resume` fails on every rank with rank 0's message."""
-    decision: tuple = (None, 0, "")
-    if rank == 0:
-        try:
-            path = resume_path(resume, out_dir)
-            decision = (str(path) if path else None, checkpoint_step(path) if path else 0, "")
-        except ConfigError as err:
-            decision = (None, 0, str(err))
-    path, step, problem = broadcast_from_rank0(decision)
-    if problem:
-        raise ConfigError(problem)
-    return (Path(path) if path else None), step
-
-
-def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
-    """The frozen reference policy on this rank's device. With bf16 compute it is held in bf16
-    (it has no optimizer and needs no fp32 master copy: half the memory, same matmul inputs as
-    autocast gives); a moving reference (algo.kl.ref_ema_eta) keeps fp32, where small EMA steps
-    do not round away."""
-    weights = "bfloat16" if precision[1] == "bfloat16" and cfg.algo.kl.ref_ema_eta == 0 else "float32"
-    model = load_model(cfg.model.ref_path or cfg.model.path, *precision, weights_dtype=weights)
-    return model.eval().requires_grad_(False).to(device())
-
-
-def cpu_state_dict(module: torch.nn.Module) -> dict:
-    """A state dict of CPU tensors: a checkpoint must load on any rank's device (map_location)."""
-    return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}

@@ -3,8 +3,16 @@ Python API in the style of TRL's `PPOTrainer.step(queries, responses, scores)`).
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
+import torch
+
+from vlrft.data.dataset import DataError, canonical_row
+from vlrft.distributed import all_gather_1d
+from vlrft.models.collate import gather_responses
+from vlrft.models.forward import token_logprobs
+from vlrft.models.packing import micro_batches
 from vlrft.types import Experience, Prompt, Rollout
 
 END_OF_TURN = "<|im_end|>"  # what a Qwen chat model emits to end its answer
@@ -51,3 +59,46 @@ def scored_experiences(
             rollout = Rollout(prompt=prompt, group_id=prompt.index, response_ids=ids, response_text=text, truncated=truncated)
             experiences.append(Experience(rollout, float(score), {"score": float(score)}))
     return experiences
+
+
+def train_on_responses(trainer, prompts: list[dict], responses: list[list], scores: list[list[float]]) -> dict[str, float]:
+    """One RL step on responses generated and scored elsewhere (TRL's `PPOTrainer.step`):
+    this rank's `prompts` (rows as in a data file), per prompt a group of `responses`
+    (text, or token ids) and their `scores` (the rewards). The same experience pass,
+    advantages, update and engine sync as `train_step`. A collective: every rank calls it.
+    Returns the step's metrics."""
+    check_shapes(len(prompts), responses, scores)
+    start = time.perf_counter()
+    counts = all_gather_1d(torch.tensor([len(prompts)])).tolist()
+    first = sum(counts[: trainer.rank])  # group ids unique over all ranks
+    items, problems = [], []  # a bad row must stop (or be skipped on) every rank, not hang the others
+    for i, row in enumerate(prompts):
+        try:
+            items.append((canonical_row(row, i, trainer.bad_input.columns), first + i))
+        except DataError as err:
+            problems.append(str(err))
+    encoded, skipped = trainer.bad_input.encode(trainer.encoder, items, problems)
+    kept = [p.index - first for p in encoded]  # with data.on_bad_sample: skip, bad prompts are left out
+    scored = scored_experiences(
+        encoded, [responses[i] for i in kept], [scores[i] for i in kept], trainer.encoder.tokenizer, trainer.stop_ids
+    )
+    trainer.global_step += 1  # only now: a step stopped by bad input does not count
+    return trainer._learn(scored, scored, {"data/skipped_prompts": float(skipped)}, start)
+
+@torch.no_grad()
+def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> list[list[float]]:
+    """Each response's logprob (the sum over its tokens, at the sampling temperature) under
+    the current policy, for `step`'s prompts and responses. A collective: every rank calls it."""
+    check_shapes(len(prompts), responses, responses)
+    encoded = [trainer.encoder.encode(canonical_row(row, i, trainer.bad_input.columns), i) for i, row in enumerate(prompts)]
+    scored = scored_experiences(encoded, responses, [[0.0] * len(r) for r in responses], trainer.encoder.tokenizer, trainer.stop_ids)
+    rollouts = [e.rollout for e in scored]
+    placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout
+    sums: dict[int, float] = {}
+    for batch in micro_batches(rollouts, trainer.cfg.train.micro_batch_tokens, placeholder):
+        logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
+        if not batch.dummy:
+            for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):
+                sums[id(rollout)] = float(row.sum())
+    flat = iter(sums[id(r)] for r in rollouts)
+    return [[next(flat) for _ in group] for group in responses]

@@ -33,7 +33,7 @@ def pass_rates(cfg, rows: list[dict], samples: int, batch_prompts: int = 8) -> l
     from vlrft.models.loader import banned_token_ids, stop_token_ids
     from vlrft.rewards.mix import RewardMix
 
-    encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
+    encoder = PromptEncoder.for_config(cfg)
     tokenizer = encoder.tokenizer
     engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_token_ids(tokenizer), banned_token_ids(tokenizer))
     rewards = RewardMix(cfg.reward)

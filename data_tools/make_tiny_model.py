@@ -11,7 +11,10 @@ with each colour ~25% of the time and has to learn to look at the image through 
 
 CLI::
 
-    python -m data_tools.make_tiny_model --kind vl|text --out DIR [--warmup-steps N] [--seed S]
+    python -m data_tools.make_tiny_model --kind vl|text --out DIR [--family F] [--warmup-steps N] [--seed S]
+
+``--family`` picks the VL architecture: ``qwen2.5-vl`` (default), ``qwen2-vl`` or ``qwen3-vl``
+(Qwen3-VL's deepstack visual features and interleaved M-RoPE included).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -44,11 +51,12 @@ MAX_PROMPT_TOKENS = 512  # warm-up prompts are ~25 tokens
 # --------------------------------------------------------------------------- image processor
 
 
-def build_image_processor() -> Qwen2VLImageProcessorPil:
+def build_image_processor(patch_size: int = 14) -> Qwen2VLImageProcessorPil:
     # PIL backend: works without torchvision. Saved as "Qwen2VLImageProcessor", so
-    # AutoImageProcessor picks whichever backend the loading machine has.
+    # AutoImageProcessor picks whichever backend the loading machine has. Qwen3-VL uses the
+    # same processor with 16-pixel patches.
     return Qwen2VLImageProcessorPil(
-        patch_size=14,
+        patch_size=patch_size,
         merge_size=2,
         temporal_patch_size=2,
         min_pixels=MIN_PIXELS,
@@ -81,37 +89,53 @@ def _token_ids(tokenizer) -> dict:
     )
 
 
-def vl_config(tokenizer) -> Qwen2_5_VLConfig:
+VL_FAMILIES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl")
+
+
+def vl_config(tokenizer, family: str = "qwen2.5-vl"):
+    """A tiny config of `family` (VL_FAMILIES): 2 text + 2 vision layers, width 128."""
     ids = special_token_ids(tokenizer)
-    text = dict(
-        TEXT_DIMS,
-        vocab_size=len(tokenizer),
-        # M-RoPE: (temporal, height, width) sections of head_dim / 2 = 16 frequencies.
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
-        **_token_ids(tokenizer),
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=128,
-        num_heads=4,
-        intermediate_size=256,
-        out_hidden_size=TEXT_DIMS["hidden_size"],  # merger projects straight into the LM width
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=112,
-        fullatt_block_indexes=[1],
-        tokens_per_second=2,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
+    # M-RoPE: (temporal, height, width) sections of head_dim / 2 = 16 frequencies.
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]}
+    text = dict(TEXT_DIMS, vocab_size=len(tokenizer), rope_parameters=rope, **_token_ids(tokenizer))
+    common = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,  # v5 reads tying from the outer config
     )
+    width = TEXT_DIMS["hidden_size"]
+    if family == "qwen2.5-vl":
+        vision = dict(
+            depth=2, hidden_size=128, num_heads=4, intermediate_size=256,
+            out_hidden_size=width,  # merger projects straight into the LM width
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=112, fullatt_block_indexes=[1], tokens_per_second=2,
+        )
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+    if family == "qwen2-vl":
+        vision = dict(depth=2, embed_dim=128, hidden_size=width, num_heads=4, mlp_ratio=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    if family == "qwen3-vl":
+        text = dict(text, head_dim=TEXT_DIMS["hidden_size"] // TEXT_DIMS["num_attention_heads"],
+                    rope_parameters=dict(rope, mrope_interleaved=True))
+        vision = dict(
+            depth=2, hidden_size=128, num_heads=4, intermediate_size=256, out_hidden_size=width,
+            patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            num_position_embeddings=64,  # an 8x8 grid of learned positions, interpolated per image
+            deepstack_visual_indexes=[0, 1],  # both vision layers feed the first two LM layers
+        )
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+    raise ValueError(f"unknown VL family {family!r}; choose from {', '.join(VL_FAMILIES)}")
+
+
+VL_MODEL_CLASSES = {
+    "qwen2.5-vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen2-vl": Qwen2VLForConditionalGeneration,
+    "qwen3-vl": Qwen3VLForConditionalGeneration,
+}
 
 
 def text_config(tokenizer) -> Qwen2Config:
@@ -127,7 +151,7 @@ def text_config(tokenizer) -> Qwen2Config:
 # --------------------------------------------------------------------------- builders
 
 
-def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr: float) -> Path:
+def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr: float, family: str = "qwen2.5-vl") -> Path:
     """Save tokenizer (+ image processor) first, so the warm-up encodes its prompts with
     vlrft's ``PromptEncoder`` from ``out_dir`` exactly as training will; then warm up,
     check and save the model, its generation config and ``tiny_model_report.json``."""
@@ -136,8 +160,9 @@ def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     if kind == "vl":
-        image_processor = build_image_processor()
-        model = Qwen2_5_VLForConditionalGeneration(vl_config(tokenizer)).eval()
+        config = vl_config(tokenizer, family)
+        image_processor = build_image_processor(config.vision_config.patch_size)
+        model = VL_MODEL_CLASSES[family](config).eval()
     else:
         image_processor = None
         model = Qwen2ForCausalLM(text_config(tokenizer)).eval()
@@ -145,7 +170,7 @@ def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr
     tokenizer.save_pretrained(out_dir)
     if image_processor is not None:
         image_processor.save_pretrained(out_dir)
-    report = {"kind": kind, "seed": seed, "warmup_steps": warmup_steps, "token_ids": special_token_ids(tokenizer)}
+    report = {"kind": kind, "family": family if kind == "vl" else "qwen2", "seed": seed, "warmup_steps": warmup_steps, "token_ids": special_token_ids(tokenizer)}
 
     if warmup_steps > 0:
         encoder = PromptEncoder(str(out_dir), MIN_PIXELS, MAX_PIXELS, MAX_PROMPT_TOKENS)
@@ -159,9 +184,11 @@ def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr
     return out_dir
 
 
-def build_vl_model(out_dir, warmup_steps: int = 100, seed: int = 0, batch_size: int = 32, lr: float = 3e-3) -> Path:
-    """Tiny Qwen2.5-VL checkpoint in ``out_dir`` (optionally format-warmed-up)."""
-    return _build(out_dir, "vl", warmup_steps, seed, batch_size, lr)
+def build_vl_model(
+    out_dir, warmup_steps: int = 100, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, family: str = "qwen2.5-vl"
+) -> Path:
+    """Tiny VL checkpoint of `family` (default Qwen2.5-VL) in ``out_dir`` (optionally format-warmed-up)."""
+    return _build(out_dir, "vl", warmup_steps, seed, batch_size, lr, family)
 
 
 def build_text_model(out_dir, warmup_steps: int = 100, seed: int = 0, batch_size: int = 32, lr: float = 3e-3) -> Path:
@@ -175,13 +202,16 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=VL_FAMILIES, default="qwen2.5-vl", help="VL architecture (--kind vl)")
     args = p.parse_args(argv)
     # One thread: the matrices are tiny, so 2 threads gain only ~25% on an idle 2-core box but
     # run ~2x slower when other jobs share it (spinning intra-op threads); and a fixed thread
     # count keeps the saved weights bit-identical from run to run (reduction order).
     torch.set_num_threads(1)
-    build = build_vl_model if args.kind == "vl" else build_text_model
-    build(args.out, warmup_steps=args.warmup_steps, seed=args.seed)
+    if args.kind == "vl":
+        build_vl_model(args.out, warmup_steps=args.warmup_steps, seed=args.seed, family=args.family)
+    else:
+        build_text_model(args.out, warmup_steps=args.warmup_steps, seed=args.seed)
 
 
 if __name__ == "__main__":

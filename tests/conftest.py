@@ -50,7 +50,47 @@ def world_of_one():
 
 
 @pytest.fixture(scope="session")
-def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
+def vl_models(tiny_vl, tmp_path_factory):
+    """family -> a tiny checkpoint of that VL family (data_tools.make_tiny_model.VL_FAMILIES),
+    built on first use; Qwen3-VL has deepstack features and interleaved M-RoPE."""
+    from data_tools.make_tiny_model import build_vl_model
+
+    built = {"qwen2.5-vl": tiny_vl}
+
+    def model_of(family: str) -> str:
+        if family not in built:
+            built[family] = str(build_vl_model(tmp_path_factory.mktemp(family), warmup_steps=0, family=family))
+        return built[family]
+
+    return model_of
+
+
+@pytest.fixture(scope="session")
+def video_data(colour_data, tmp_path_factory):
+    """The colour task's train and test rows plus rows whose prompt is a 3-frame video of
+    colour images (as frame files, fps 1), every other one with an image too: the answer is the
+    first frame's colour. {split}_videos.jsonl holds only the video rows."""
+    import json
+
+    from vlrft.data.dataset import load_rows
+
+    out = tmp_path_factory.mktemp("video")
+    for split in ("train", "test"):
+        rows = load_rows(colour_data / f"{split}.jsonl")
+        frames = [r["messages"][0]["content"][0]["image"] for r in rows]
+        videos = [
+            {"id": f"video-{split}-{k}", "data_source": "video", "answer": rows[k]["answer"], "messages": [{"role": "user", "content": [
+                {"type": "video", "video": frames[k : k + 3], "fps": 1.0},
+                *([{"type": "image", "image": frames[k + 3]}] if k % 4 else []),
+                {"type": "text", "text": "What colour is the shape in the first frame?"}]}]}
+            for k in range(0, len(rows) - 3, 2)
+        ]
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + videos))
+        (out / f"{split}_videos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in videos))
+    return out
+
+
+def make_mixed_rollouts(model_path, colour_data, root):
     """A text-only, a single-image and a two-image prompt (one image 4x larger), with
     responses of 1, 12 and 25 tokens."""
     import json
@@ -62,7 +102,6 @@ def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
     from vlrft.data.encoding import PromptEncoder
     from vlrft.types import Rollout
 
-    root = tmp_path_factory.mktemp("multi")
     Image.new("RGB", (112, 112), (200, 30, 30)).save(root / "big.png")
     first = load_rows(colour_data / "train.jsonl")[0]
     small = first["messages"][0]["content"][0]["image"]
@@ -75,7 +114,7 @@ def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
     ]
     rows[2]["messages"][0]["content"][0]["image"] = str(colour_data / small)
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    encoder = PromptEncoder(tiny_vl, 56 * 56, 112 * 112, 512)
+    encoder = PromptEncoder(model_path, 56 * 56, 112 * 112, 512)
     prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(root / "rows.jsonl"))]
     assert [p.mm_inputs.get("image_grid_thw", torch.zeros(0, 3)).shape[0] for p in prompts] == [0, 1, 2]
     g = torch.Generator().manual_seed(0)
@@ -83,3 +122,8 @@ def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
         Rollout(p, i, torch.randint(10, 600, (n,), generator=g).tolist(), "", False)
         for i, (p, n) in enumerate(zip(prompts, [1, 12, 25]))
     ]
+
+
+@pytest.fixture(scope="session")
+def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
+    return make_mixed_rollouts(tiny_vl, colour_data, tmp_path_factory.mktemp("multi"))

@@ -70,6 +70,10 @@ class DataConfig:
     # Images are resized into [min_pixels, max_pixels] (Qwen-VL: 28 x 28 pixels per visual token).
     min_pixels: int = 56 * 56
     max_pixels: int = 1280 * 28 * 28
+    # Video parts (README, "Video prompts"): at most max_frames frames, evenly spaced over the
+    # clip, each resized into [min_pixels, video_max_pixels].
+    max_frames: int = 32
+    video_max_pixels: int = 128 * 28 * 28
     max_prompt_tokens: int = 1024  # longer prompts are rejected naming the row
     # Supervised rows (canonical schema; `answer` is the target response) mixed into the actor
     # update with algo.ptx_coef; empty = no PTX term.

@@ -100,6 +100,7 @@ def validate(cfg: Config) -> None:
         "train.mini_batches": cfg.train.mini_batches,
         "train.micro_batch_tokens": cfg.train.micro_batch_tokens,
         "data.max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "data.max_frames": cfg.data.max_frames,
         "data.ptx_rows_per_step": cfg.data.ptx_rows_per_step,
         "rollout.max_sampling_rounds": cfg.rollout.max_sampling_rounds,
         "algo.kl.horizon": cfg.algo.kl.horizon,
@@ -117,8 +118,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
-    if cfg.data.min_pixels > cfg.data.max_pixels:
-        raise ConfigError("config key 'data.min_pixels' must be <= 'data.max_pixels'")
+    for key in ("max_pixels", "video_max_pixels"):
+        if cfg.data.min_pixels > getattr(cfg.data, key):
+            raise ConfigError(f"config key 'data.min_pixels' must be <= 'data.{key}'")
     if "{prompt}" not in cfg.data.prompt_template:
         raise ConfigError(f"config key 'data.prompt_template' must contain '{{prompt}}', got {cfg.data.prompt_template!r}")
     for key in ("prompt_key", "answer_key", "image_key"):

@@ -1,4 +1,5 @@
-"""2-rank torchrun (gloo) training with both tiny models under ZeRO-2 and ZeRO-3."""
+"""2-rank torchrun (gloo) training of the tiny models under ZeRO-2 and ZeRO-3: Qwen2.5-VL,
+Qwen3-VL on image and video prompts, and the Qwen2 text model."""
 
 import json
 import os
@@ -33,14 +34,18 @@ def run_torchrun(config_path, tmp_path):
     return proc
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-@pytest.mark.parametrize("kind", ["vl", "text"])
-def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, colour_data, addition_data, tmp_path):
-    model_path, data = (tiny_vl, colour_data) if kind == "vl" else (tiny_text, addition_data)
+@pytest.mark.parametrize("kind, zero_stage", [("vl", 2), ("qwen3-vl video", 3), ("text", 2), ("text", 3)])
+def test_two_rank_training_updates_policy(kind, zero_stage, vl_models, tiny_text, colour_data, video_data, addition_data, tmp_path):
+    model_path, data = {
+        "vl": (vl_models("qwen2.5-vl"), colour_data),
+        "qwen3-vl video": (vl_models("qwen3-vl"), video_data),  # rows with images, videos or both
+        "text": (tiny_text, addition_data),
+    }[kind]
     (tmp_path / "recipe.py").write_text(RECIPE)
     config = {
         "model": {"path": model_path},
-        "data": {"train_path": str(data / "train.jsonl"), "eval_path": str(data / "test.jsonl")},
+        "data": {"train_path": str(data / ("train_videos.jsonl" if "video" in kind else "train.jsonl")),
+                 "eval_path": str(data / "test.jsonl")},
         "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6},
         # The entropy mask gathers token entropies over both ranks: exercised here.
         "algo": {"kl": {"coef": 0.01}, "high_entropy_token_ratio": 0.5, "entropy_coef": 0.001},
@@ -68,7 +73,7 @@ def test_two_rank_training_updates_policy(kind, zero_stage, tiny_vl, tiny_text, 
     before, after = load_model(model_path), load_model(str(tmp_path / "run" / "final"))
     changed = {n for (n, a), (_, b) in zip(before.named_parameters(), after.named_parameters()) if not torch.equal(a, b)}
     assert changed, "no policy parameter changed"
-    if kind == "vl":
+    if kind != "text":
         vision = {f"model.visual.{n}" for n, _ in vision_tower(before).named_parameters()}
         assert vision & changed, "the vision tower received no gradient"
 

@@ -123,6 +123,8 @@ INVALID = {
     "negative early stop": (["algo.target_kl=-1"], "'algo.target_kl' must be >= 0"),
     "gamma above one": (["algo.gamma=1.5"], "'algo.gamma' and 'algo.lam' must be in \\[0, 1\\]"),
     "zero sampling rounds": (["rollout.max_sampling_rounds=0"], "'rollout.max_sampling_rounds' must be >= 1"),
+    "no video frames": (["data.max_frames=0"], "'data.max_frames' must be >= 1"),
+    "video frames under the image floor": (["data.video_max_pixels=100"], "'data.min_pixels' must be <= 'data.video_max_pixels'"),
 }
 
 

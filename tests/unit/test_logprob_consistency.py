@@ -35,12 +35,21 @@ def build_trainer(model_path, data_dir, tmp_path, extra=()):
     return SPMDTrainer(cfg)
 
 
-@pytest.mark.parametrize("kind", ["text", "image"])
-def test_stored_logprobs_equal_trainer_forward(kind, tiny_text, tiny_vl, addition_data, colour_data, tmp_path, world_of_one):
-    model, data = (tiny_text, addition_data) if kind == "text" else (tiny_vl, colour_data)
+@pytest.mark.parametrize("kind", ["text", "image", "qwen3-vl video", "qwen2.5-vl video"])
+def test_stored_logprobs_equal_trainer_forward(kind, tiny_text, vl_models, addition_data, colour_data, video_data, tmp_path, world_of_one):
+    model, data = {
+        "text": (tiny_text, addition_data),
+        "image": (vl_models("qwen2.5-vl"), colour_data),
+        "qwen3-vl video": (vl_models("qwen3-vl"), video_data),  # image, video and image+video prompts
+        "qwen2.5-vl video": (vl_models("qwen2.5-vl"), video_data),
+    }[kind]
     trainer = build_trainer(model, data, tmp_path, [SEVERAL_STEPS])
     torch.manual_seed(1)
-    prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
+    rows = trainer.train_rows[-4:] if "video" in kind else None  # the last rows hold videos
+    prompts = [trainer.encoder.encode(row, pos) for pos, row in enumerate(rows)] if rows else [
+        trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
+    if rows:
+        assert sum("video_grid_thw" in p.mm_inputs for p in prompts) == 4 and sum("image_grid_thw" in p.mm_inputs for p in prompts) == 2
     experiences, _ = trainer.maker.make(prompts)
     assert len(experiences) == 12
     trainer.buffer.add(experiences)

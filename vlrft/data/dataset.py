@@ -1,7 +1,8 @@
 """Prompt data sets: JSONL, parquet or a saved HF data set, read into the canonical row schema.
 
 A row is {"id", "messages", "answer", "data_source", "meta"}; message content is a string or
-a list of parts {"type": "text", "text"} / {"type": "image", "image": path or bytes}. Rows in
+a list of parts {"type": "text", "text"} / {"type": "image", "image": path or bytes} /
+{"type": "video", "video": file path or list of frames (paths or bytes), "fps": optional}. Rows in
 a data set's own columns are mapped first (data/columns.py). Image paths are relative to the
 data set's file (or directory) and are resolved (and checked to exist) at load time, so a
 missing file fails before training starts, naming the row and the path.
@@ -153,10 +154,33 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
             if not image.is_file():
                 raise DataError(f"{where}: image file not found: {image}")
             part = {**part, "image": str(image)}
+        elif kind == "video":
+            part = _resolve_video(part, base, where)
         elif kind != "text":
-            raise DataError(f"{where}: content part type must be 'text' or 'image', got {kind!r}")
+            raise DataError(f"{where}: content part type must be 'text', 'image' or 'video', got {kind!r}")
         parts.append(part)
     return {**message, "content": parts}
+
+
+def _resolve_video(part: dict, base: Path, where: str) -> dict:
+    """A video part with its file, or each of its frame files, made absolute and checked;
+    frames given as bytes stay bytes. `fps`, when given, is a positive number."""
+    video = part.get("video")
+    fps = part.get("fps", 1.0)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
+        raise DataError(f"{where}: a video part's 'fps' must be a positive number, got {fps!r}")
+
+    def resolve(path) -> str:
+        full = Path(path) if Path(path).is_absolute() else base / path
+        if not full.is_file():
+            raise DataError(f"{where}: video file not found: {full}")
+        return str(full)
+
+    if isinstance(video, str) and video:
+        return {**part, "video": resolve(video)}
+    if isinstance(video, list) and video and all(isinstance(f, (str, bytes)) and f for f in video):
+        return {**part, "video": [f if isinstance(f, bytes) else resolve(f) for f in video]}
+    raise DataError(f"{where}: a video part needs 'video': a file path or a non-empty list of frame images")
 
 
 def message_text(content) -> str:
@@ -169,6 +193,17 @@ def message_text(content) -> str:
 def user_text(messages: list[dict]) -> str:
     """The text of the user's messages, joined by newlines: the question a verifier or judge reads."""
     return "\n".join(message_text(m["content"]) for m in messages if m.get("role") == "user")
+
+
+def video_parts(row: dict) -> list[dict]:
+    """A row's video parts in the order they appear in its messages."""
+    return [
+        part
+        for message in row["messages"]
+        if not isinstance(message["content"], str)
+        for part in message["content"]
+        if part["type"] == "video"
+    ]
 
 
 def image_sources(row: dict) -> list[str | bytes]:

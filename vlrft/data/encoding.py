@@ -1,10 +1,12 @@
-"""Prompt encoding: chat messages (with image parts) -> chat template -> token ids + pixel inputs.
+"""Prompt encoding: chat messages (with image and video parts) -> chat template -> token ids +
+pixel inputs.
 
-Only this module and the model loader know the model family's conventions. Images are loaded
-with PIL (or qwen-vl-utils where it imports) and turned into `pixel_values`/`image_grid_thw`
-by the checkpoint's own HF image processor, which applies the min/max-pixel resize rule. The
-tokenizer + image processor are used directly (not an AutoProcessor) because processor
-classes that insist on a video processor need torchvision.
+Only this module, data/video.py and the model loader know the model family's conventions.
+Images are loaded with PIL (or qwen-vl-utils where it imports) and turned into `pixel_values`/
+`image_grid_thw` by the checkpoint's own HF image processor, which applies the min/max-pixel
+resize rule; videos into `pixel_values_videos`/`video_grid_thw` from the same processor
+(data/video.py). The tokenizer + image processor are used directly (not an AutoProcessor)
+because processor classes that insist on a video processor need torchvision.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import math
 import warnings
 from pathlib import Path
 
+import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlrft.data.dataset import DataError, image_sources
+from vlrft.data.dataset import DataError, image_sources, video_parts
+from vlrft.data.video import VIDEO_PAD, Clip, group_timestamps, read_clip, video_placeholder, video_pixels
 from vlrft.types import Prompt
 
 IMAGE_PAD = "<|image_pad|>"
+# mm_token_type_ids: 0 text, 1 image, 2 video (the Qwen-VL models' numbering)
+TOKEN_TYPES = {IMAGE_PAD: 1, VIDEO_PAD: 2}
 
 
 def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
@@ -59,6 +65,8 @@ def json_safe(messages: list[dict]) -> list[dict]:
                     if isinstance(part.get("image"), bytes):
                         part = {**part, "image": f"<image {k}>"}
                     k += 1
+                elif part["type"] == "video" and isinstance(part["video"], list):
+                    part = {**part, "video": [f if isinstance(f, str) else f"<frame {i}>" for i, f in enumerate(part["video"])]}
                 parts.append(part)
             content = parts
         out.append({**message, "content": content})
@@ -66,13 +74,32 @@ def json_safe(messages: list[dict]) -> list[dict]:
 
 
 class PromptEncoder:
-    def __init__(self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int):
+    def __init__(
+        self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int,
+        max_frames: int = 32, video_max_pixels: int = 128 * 28 * 28, video_refusal: str = "",
+    ):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         has_vision = (Path(model_path) / "preprocessor_config.json").is_file()
         self.image_processor = AutoImageProcessor.from_pretrained(model_path) if has_vision else None
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_frames = max_frames  # frames per video, evenly spaced over the clip
+        self.video_max_pixels = video_max_pixels  # per frame
+        self.video_refusal = video_refusal  # why a video prompt cannot be used, or "" when it can
+        family = AutoConfig.from_pretrained(model_path).model_type if has_vision else ""
+        # Qwen3-VL writes each frame group's time into the prompt; Qwen2.5-VL takes the seconds
+        # per temporal group as an input of its rope index instead (Qwen2-VL neither).
+        self.video_timestamps = family.startswith("qwen3")
+        self.seconds_per_grid = family == "qwen2_5_vl"
+
+    @classmethod
+    def for_config(cls, cfg) -> "PromptEncoder":
+        """The encoder of a run's `model.path` and `data.*` settings."""
+        data = cfg.data
+        refusal = "" if cfg.rollout.engine == "hf" else f"video prompts need rollout.engine: hf (not {cfg.rollout.engine!r})"
+        return cls(cfg.model.path, data.min_pixels, data.max_pixels, data.max_prompt_tokens, data.max_frames,
+                   data.video_max_pixels, refusal)
 
     def load_image(self, source: str | bytes) -> Image.Image:
         """An image from its path or its encoded bytes (parquet and HF data sets)."""
@@ -98,10 +125,23 @@ class PromptEncoder:
                 # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
                 name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
                 raise DataError(f"{where}: cannot read image {name} ({err})") from None
-        return self.encode_with_images(row, images, index)
+        clips = []
+        for k, part in enumerate(video_parts(row)):
+            if self.image_processor is None or self.video_refusal:
+                raise DataError(f"{where} has a video: {self.video_refusal or 'the model checkpoint has no image processor'}")
+            try:
+                clips.append(read_clip(part, self.max_frames, self.load_video_frame))
+            except Exception as err:  # noqa: BLE001 - as for images, decoders raise many types
+                name = part["video"] if isinstance(part["video"], str) else f"{k} ({len(part['video'])} frames)"
+                raise DataError(f"{where}: cannot read video {name} ({err})") from None
+        return self.encode_with_images(row, images, index, clips)
 
-    def encode_with_images(self, row: dict, images: list[Image.Image], index: int) -> Prompt:
-        """A row whose image parts are already loaded as `images` (in order) -> Prompt."""
+    def load_video_frame(self, source: str | bytes) -> Image.Image:
+        return load_rgb_image(io.BytesIO(source) if isinstance(source, bytes) else source, max_pixels=self.video_max_pixels)
+
+    def encode_with_images(self, row: dict, images: list[Image.Image], index: int, clips: list[Clip] = ()) -> Prompt:
+        """A row whose image parts are already loaded as `images` and video parts as `clips`
+        (each in order) -> Prompt."""
         where = f"row id {row['id']!r}"
         messages = json_safe(row["messages"])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -114,10 +154,12 @@ class PromptEncoder:
                 mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
             except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
                 raise DataError(f"{where}: cannot use its image ({err})") from None
+        mm_inputs |= self._video_inputs(clips, where)
         expanded = self._expand_image_pads(text, mm_inputs, where, len(images))
+        expanded = self._expand_video_pads(expanded, mm_inputs, clips, where)
         ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        image_pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        token_types = [int(t == image_pad) for t in ids] if self.image_processor is not None else []
+        types = {self.tokenizer.convert_tokens_to_ids(token): kind for token, kind in TOKEN_TYPES.items()}
+        token_types = [types.get(t, 0) for t in ids] if self.image_processor is not None else []
         if len(ids) > self.max_prompt_tokens:
             raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
         return Prompt(
@@ -146,4 +188,31 @@ class PromptEncoder:
         out = pieces[0]
         for count, piece in zip(counts, pieces[1:]):
             out += IMAGE_PAD * count + piece
+        return out
+
+    def _video_inputs(self, clips: list[Clip], where: str) -> dict:
+        """The clips' pixel inputs (data/video.py), concatenated in order; {} without videos."""
+        if not clips:
+            return {}
+        size = {"shortest_edge": self.min_pixels, "longest_edge": self.video_max_pixels}
+        try:
+            per_clip = [video_pixels(clip, self.image_processor, size) for clip in clips]
+        except ValueError as err:
+            raise DataError(f"{where}: cannot use its video ({err})") from None
+        out = {key: torch.cat([c[key] for c in per_clip]) for key in per_clip[0]}
+        if self.seconds_per_grid:
+            t = self.image_processor.temporal_patch_size
+            out["second_per_grid_ts"] = torch.tensor([t / clip.fps for clip in clips])
+        return out
+
+    def _expand_video_pads(self, text: str, mm_inputs: dict, clips: list[Clip], where: str) -> str:
+        """Replace each video's single pad token with its frames' tokens (data/video.py)."""
+        pieces = text.split(VIDEO_PAD)
+        if len(pieces) - 1 != len(clips):
+            raise DataError(f"{where}: chat template produced {len(pieces) - 1} video slots for {len(clips)} videos")
+        out = pieces[0]
+        t = self.image_processor.temporal_patch_size if clips else 0
+        for clip, grid, piece in zip(clips, mm_inputs.get("video_grid_thw", []), pieces[1:]):
+            stamps = group_timestamps(clip, t) if self.video_timestamps else None
+            out += video_placeholder(grid, self.image_processor.merge_size, stamps) + piece
         return out

@@ -24,6 +24,7 @@ from vlrft.algo.entropy import token_entropy
 from vlrft.models.packing import forward_inputs
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
+from vlrft.models.vision_calls import encode_vision
 from vlrft.types import MicroBatch
 
 
@@ -54,13 +55,18 @@ def policy_forward(
     # A LoRA policy's reference is the policy with adapters off (models/lora.py BaseModelView).
     context = getattr(model, "forward_context", contextlib.nullcontext)
     with decoder_autocast(inner), context():
-        base = inner.model(**forward_inputs(inner.model, batch), use_cache=False, **extra)
-        return _head_stats(inner, batch, base, temperature, moe_aux, keep_logits, chunk_tokens)
+        inputs = forward_inputs(inner.model, batch)
+        vision_zero = encode_vision(inner.model, inputs)  # same vision calls on every rank
+        base = inner.model(**inputs, use_cache=False, **extra)
+        hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
+        return _head_stats(inner, batch, hidden, base, temperature, moe_aux, keep_logits, chunk_tokens)
 
 
-def _head_stats(inner, batch: MicroBatch, base, temperature: float, moe_aux: bool, keep_logits: bool, chunk_tokens: int) -> ForwardOut:
-    """The LM-head half of `policy_forward` (under its autocast)."""
-    hidden = base.last_hidden_state  # [B, L, H] in the compute dtype
+def _head_stats(
+    inner, batch: MicroBatch, hidden: torch.Tensor, base, temperature: float, moe_aux: bool, keep_logits: bool, chunk_tokens: int
+) -> ForwardOut:
+    """The LM-head half of `policy_forward` (under its autocast); `hidden` [B, L, H] in the
+    compute dtype."""
     aux = router_aux_loss(inner, tuple(r.float() for r in base.router_logits)) if moe_aux else None
     scored = batch.response_mask[:, 1:].bool().to(hidden.device)  # [B, L-1] position p predicts token p+1
     targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]

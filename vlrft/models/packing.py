@@ -48,12 +48,12 @@ def empty_response(prompt: Prompt) -> Experience:
 
 
 def dummy_sample(samples: list) -> Experience:
-    """What a micro-batch that only evens out the count runs: an empty response on the shortest
-    prompt, cut to its first token for a text prompt; an image prompt stays whole, because the
-    vision tower must run on every rank (ZeRO-3 gathers its parameters inside the forward)."""
+    """What a micro-batch that only evens out the count runs: an empty response on the first
+    token of the shortest prompt, images and videos dropped (the vision tower still runs on
+    every rank: models/vision_calls.py)."""
     prompt = min((rollout_of(s).prompt for s in samples), key=lambda p: len(p.prompt_ids))
-    if not prompt.mm_inputs:
-        prompt = replace(prompt, prompt_ids=prompt.prompt_ids[:1], mm_token_types=prompt.mm_token_types[:1])
+    prompt = replace(prompt, prompt_ids=prompt.prompt_ids[:1], mm_token_types=prompt.mm_token_types[:1], mm_inputs={},
+                     images=[])
     return empty_response(prompt)
 
 
@@ -124,11 +124,13 @@ def prompt_positions(rope_index, prompt: Prompt) -> torch.Tensor:
     if key not in prompt.rope_positions:
         ids = torch.tensor(prompt.prompt_ids)[None]  # [1, P]
         types = torch.tensor(prompt.mm_token_types or [0] * len(prompt.prompt_ids))[None]  # [1, P]
+        video = {k: prompt.mm_inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in prompt.mm_inputs}
         positions, _ = rope_index(
             ids,
             image_grid_thw=prompt.mm_inputs.get("image_grid_thw"),
             attention_mask=torch.ones_like(ids),
             mm_token_type_ids=types,
+            **video,
         )
         prompt.rope_positions[key] = positions
     return prompt.rope_positions[key]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.models.packing import forward_inputs
+from vlrft.models.vision_calls import encode_vision
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import MicroBatch
@@ -28,7 +29,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, **inputs) -> torch.Tensor:
         with decoder_autocast(self):
+            vision_zero = encode_vision(self.backbone, inputs)  # same vision calls on every rank
             hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
+            hidden = hidden if vision_zero is None else hidden + vision_zero
         # The head in its own dtype (fp32, or bf16 under DeepSpeed's bf16 mode), values in fp32.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)  # [B, L]
 

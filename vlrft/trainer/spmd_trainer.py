@@ -100,7 +100,7 @@ class SPMDTrainer:
         self.global_step = 0
         resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank)
 
-        self.encoder = PromptEncoder(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_tokens)
+        self.encoder = PromptEncoder.for_config(cfg)
         tokenizer = self.encoder.tokenizer
         self.stop_ids = stop_ids = stop_token_ids(tokenizer)
         self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data))

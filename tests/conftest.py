@@ -127,3 +127,23 @@ def make_mixed_rollouts(model_path, colour_data, root):
 @pytest.fixture(scope="session")
 def mixed_rollouts(tiny_vl, colour_data, tmp_path_factory):
     return make_mixed_rollouts(tiny_vl, colour_data, tmp_path_factory.mktemp("multi"))
+
+
+def assert_packed_equals_per_sample(model, rollouts, temperature: float, single_model=None):
+    """Logprobs and entropy of `rollouts` packed into one micro-batch equal each one's own
+    forward (by `single_model`, default the same model) to 1e-5."""
+    import torch
+
+    from vlrft.models.collate import collate, gather_responses
+    from vlrft.models.forward import policy_forward
+    from vlrft.models.packing import pack
+
+    with torch.no_grad():
+        batch = pack(rollouts)
+        out = policy_forward(model, batch, temperature)
+        logp, entropy = gather_responses(batch, out.logp), gather_responses(batch, out.entropy)
+        for i, rollout in enumerate(rollouts):
+            alone = collate([rollout], pad_id=0)
+            single = policy_forward(single_model or model, alone, temperature)
+            assert (logp[i] - gather_responses(alone, single.logp)[0]).abs().max() <= 1e-5
+            assert (entropy[i] - gather_responses(alone, single.entropy)[0]).abs().max() <= 1e-5

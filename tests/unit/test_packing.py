@@ -4,6 +4,8 @@ samples of very different lengths in one micro-batch (fp32, max abs diff <= 1e-5
 import pytest
 import torch
 
+from tests.conftest import assert_packed_equals_per_sample
+
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.models.collate import collate, gather_responses
@@ -83,17 +85,7 @@ def test_packed_positions_restart_per_sample(tiny_text, addition_data):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_packed_forward_equals_per_sample_forward(mixed_rollouts, tiny_vl, temperature):
-    model = load_model(tiny_vl).eval()
-    with torch.no_grad():
-        packed = policy_forward(model, pack(mixed_rollouts), temperature)
-        packed_batch = pack(mixed_rollouts)
-        packed_logp = gather_responses(packed_batch, packed.logp)
-        packed_entropy = gather_responses(packed_batch, packed.entropy)
-        for i, rollout in enumerate(mixed_rollouts):
-            alone = collate([rollout], pad_id=0)
-            single = policy_forward(model, alone, temperature)
-            assert (packed_logp[i] - gather_responses(alone, single.logp)[0]).abs().max() <= 1e-5
-            assert (packed_entropy[i] - gather_responses(alone, single.entropy)[0]).abs().max() <= 1e-5
+    assert_packed_equals_per_sample(load_model(tiny_vl).eval(), mixed_rollouts, temperature)
 
 
 def test_packed_critic_values_equal_per_sample(mixed_rollouts, tiny_vl):

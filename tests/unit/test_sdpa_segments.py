@@ -8,8 +8,8 @@ import torch
 from transformers import AttentionInterface
 
 import vlrft.models.sdpa_segments as sdpa_segments
+from tests.conftest import assert_packed_equals_per_sample
 from tests.unit.test_torch_varlen import text_rollouts
-from vlrft.models.collate import collate, gather_responses
 from vlrft.models.packing import forward_inputs, pack
 from vlrft.models.attention import resolve_attention, uses_varlen
 from vlrft.models.forward import policy_forward
@@ -46,16 +46,7 @@ def segment_calls():
 
 
 def test_packed_vision_language_forward_equals_per_sample(mixed_rollouts, tiny_vl, segment_calls):
-    sdpa, segments = load_model(tiny_vl).eval(), segments_model(tiny_vl)
-    with torch.no_grad():
-        batch = pack(mixed_rollouts)
-        packed = policy_forward(segments, batch, 1.0)
-        logp, entropy = gather_responses(batch, packed.logp), gather_responses(batch, packed.entropy)
-        for i, rollout in enumerate(mixed_rollouts):
-            alone = collate([rollout], pad_id=0)
-            single = policy_forward(sdpa, alone, 1.0)
-            assert (logp[i] - gather_responses(alone, single.logp)[0]).abs().max() <= 1e-5
-            assert (entropy[i] - gather_responses(alone, single.entropy)[0]).abs().max() <= 1e-5
+    assert_packed_equals_per_sample(segments_model(tiny_vl), mixed_rollouts, 1.0, single_model=load_model(tiny_vl).eval())
     assert any(segment_calls) and not all(segment_calls)  # decoder layers split; vision windows go to sdpa
 
 

@@ -9,28 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import make_mixed_rollouts
+from tests.conftest import assert_packed_equals_per_sample, make_mixed_rollouts
 from vlrft.data.dataset import DataError, load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.video import Clip, group_timestamps, read_clip, spaced, video_pixels
 from vlrft.experience.checks import ImageTokenCheck
-from vlrft.models.collate import collate, gather_responses
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import load_model
 from vlrft.models.packing import pack, position_ids
 from vlrft.types import Rollout
-
-
-def assert_packed_equals_per_sample(model, rollouts):
-    with torch.no_grad():
-        batch = pack(rollouts)
-        out = policy_forward(model, batch, 0.7)
-        packed_logp, packed_entropy = gather_responses(batch, out.logp), gather_responses(batch, out.entropy)
-        for i, rollout in enumerate(rollouts):
-            alone = collate([rollout], pad_id=0)
-            single = policy_forward(model, alone, 0.7)
-            assert (packed_logp[i] - gather_responses(alone, single.logp)[0]).abs().max() <= 1e-5
-            assert (packed_entropy[i] - gather_responses(alone, single.entropy)[0]).abs().max() <= 1e-5
 
 
 def assert_positions_are_the_models_own(backbone, rollouts):
@@ -52,7 +39,7 @@ def test_other_families_pack_exactly(family, model_class, vl_models, colour_data
     rollouts = make_mixed_rollouts(vl_models(family), colour_data, tmp_path)
     model = load_model(vl_models(family)).eval()
     assert type(model).__name__ == f"{model_class}ForConditionalGeneration"
-    assert_packed_equals_per_sample(model, rollouts)
+    assert_packed_equals_per_sample(model, rollouts, 0.7)
     assert_positions_are_the_models_own(model.model, rollouts)
 
 
@@ -125,7 +112,7 @@ def test_video_prompts_pack_exactly(family, vl_models, frames, tmp_path):
     broken = Rollout(video, 0, [model.config.video_token_id], "", False)
     tokens = int(video.mm_inputs["video_grid_thw"].prod()) // 4  # 2x2 patches merge into a token
     assert check.problem(broken) == f"sample 'vid' has {tokens + 1} video tokens but its videos give {tokens} (video_grid_thw)"
-    assert_packed_equals_per_sample(model, rollouts)
+    assert_packed_equals_per_sample(model, rollouts, 0.7)
     assert_positions_are_the_models_own(model.model, rollouts)
 
 

@@ -17,6 +17,10 @@ GIB = 2**30
 
 # Parameter counts of the real checkpoints (text decoder + vision tower for the VL ones).
 MODELS = {"Qwen2.5-1.5B": 1.54e9, "Qwen2.5-VL-3B": 3.75e9, "Qwen2.5-VL-7B": 8.29e9}
+# Their rank-64 LoRA adapters on every attention and MLP projection (decoder and vision tower),
+# r * (in + out) per adapted linear: e.g. the 7B's 28 decoder layers hold 5.77M each, its 32
+# vision blocks 1.39M each.
+LORA_64 = {"Qwen2.5-1.5B": 0.074e9, "Qwen2.5-VL-3B": 0.164e9, "Qwen2.5-VL-7B": 0.206e9}
 
 
 def policy_state_bytes(params: float, ranks: int, zero_stage: int, offload: str) -> float:
@@ -41,15 +45,28 @@ def policy_state_bytes(params: float, ranks: int, zero_stage: int, offload: str)
     return per_rank
 
 
-def row(name: str, params: float, ranks: int, zero_stage: int, offload: str, gpu_gib: float) -> str:
-    policy = policy_state_bytes(params, ranks, zero_stage, offload)
-    reference = 2 * params  # frozen, held in bf16 under bf16 compute (trainer/build.py: load_reference)
+def lora_state_bytes(params: float, adapters: float, ranks: int, zero_stage: int) -> float:
+    """Bytes on one GPU for a LoRA policy (model.lora): the frozen base weights and the adapters
+    in fp32 (4 bytes each, sharded under ZeRO-3), the adapters' gradients, master copy and Adam
+    moments (16 bytes each, split over the ranks). The reference is the base with adapters off:
+    no second copy."""
+    weights = 4 * (params + adapters) / (ranks if zero_stage == 3 else 1)
+    return weights + 16 * adapters / (ranks if zero_stage else 1)
+
+
+def row(name: str, params: float, ranks: int, zero_stage: int, offload: str, gpu_gib: float, lora: bool = False) -> str:
+    if lora:
+        policy = lora_state_bytes(params, LORA_64[name], ranks, zero_stage)
+        reference = 0.0  # the policy's own base weights, adapters off (models/lora.py)
+    else:
+        policy = policy_state_bytes(params, ranks, zero_stage, offload)
+        reference = 2 * params  # frozen, held in bf16 under bf16 compute (trainer/build.py: load_reference)
     # The engine's copy while it serves: vLLM bf16 weights (sleeps during the update), the HF
     # engine's bf16 copy (stays). Counted once: the peak is the update or the rollout.
     engine_weights = 2 * params
     total = policy + reference + engine_weights
     fits = "yes" if total <= 0.75 * gpu_gib * GIB else "no"
-    setting = f"ZeRO-{zero_stage}" + (f" + offload {offload}" if offload != "none" else "")
+    setting = f"ZeRO-{zero_stage}" + (f" + offload {offload}" if offload != "none" else "") + (" + LoRA r64" if lora else "")
     return (f"| {name} | {ranks} | {setting} | {policy / GIB:6.1f} | {reference / GIB:5.1f} | "
             f"{engine_weights / GIB:5.1f} | {total / GIB:6.1f} | {fits} |")
 
@@ -65,6 +82,8 @@ def main() -> None:
     for name, params in MODELS.items():
         for ranks, stage, offload in settings:
             print(row(name, params, ranks, stage, offload, args.gpu_gib))
+        for ranks, stage in ((1, 2), (8, 3)):
+            print(row(name, params, ranks, stage, "none", args.gpu_gib, lora=True))
 
 
 if __name__ == "__main__":

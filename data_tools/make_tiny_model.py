@@ -13,8 +13,9 @@ CLI::
 
     python -m data_tools.make_tiny_model --kind vl|text --out DIR [--family F] [--warmup-steps N] [--seed S]
 
-``--family`` picks the VL architecture: ``qwen2.5-vl`` (default), ``qwen2-vl`` or ``qwen3-vl``
-(Qwen3-VL's deepstack visual features and interleaved M-RoPE included).
+``--family`` picks the architecture: for ``--kind vl`` ``qwen2.5-vl`` (default), ``qwen2-vl`` or
+``qwen3-vl`` (Qwen3-VL's deepstack visual features and interleaved M-RoPE included); for
+``--kind text`` ``qwen2`` (default) or ``qwen3`` (per-head q/k norms).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -138,20 +141,32 @@ VL_MODEL_CLASSES = {
 }
 
 
-def text_config(tokenizer) -> Qwen2Config:
-    return Qwen2Config(
-        **TEXT_DIMS,
+TEXT_FAMILIES = ("qwen2", "qwen3")
+
+
+def text_config(tokenizer, family: str = "qwen2"):
+    """A tiny causal-LM config of `family` (TEXT_FAMILIES), same dims as the VL decoder."""
+    common = dict(
+        TEXT_DIMS,
         vocab_size=len(tokenizer),
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
         **_token_ids(tokenizer),
     )
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=TEXT_DIMS["hidden_size"] // TEXT_DIMS["num_attention_heads"])
+    raise ValueError(f"unknown text family {family!r}; choose from {', '.join(TEXT_FAMILIES)}")
+
+
+TEXT_MODEL_CLASSES = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 # --------------------------------------------------------------------------- builders
 
 
-def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr: float, family: str = "qwen2.5-vl") -> Path:
+def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr: float, family: str) -> Path:
     """Save tokenizer (+ image processor) first, so the warm-up encodes its prompts with
     vlrft's ``PromptEncoder`` from ``out_dir`` exactly as training will; then warm up,
     check and save the model, its generation config and ``tiny_model_report.json``."""
@@ -165,12 +180,12 @@ def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr
         model = VL_MODEL_CLASSES[family](config).eval()
     else:
         image_processor = None
-        model = Qwen2ForCausalLM(text_config(tokenizer)).eval()
+        model = TEXT_MODEL_CLASSES[family](text_config(tokenizer, family)).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     if image_processor is not None:
         image_processor.save_pretrained(out_dir)
-    report = {"kind": kind, "family": family if kind == "vl" else "qwen2", "seed": seed, "warmup_steps": warmup_steps, "token_ids": special_token_ids(tokenizer)}
+    report = {"kind": kind, "family": family, "seed": seed, "warmup_steps": warmup_steps, "token_ids": special_token_ids(tokenizer)}
 
     if warmup_steps > 0:
         encoder = PromptEncoder(str(out_dir), MIN_PIXELS, MAX_PIXELS, MAX_PROMPT_TOKENS)
@@ -191,9 +206,11 @@ def build_vl_model(
     return _build(out_dir, "vl", warmup_steps, seed, batch_size, lr, family)
 
 
-def build_text_model(out_dir, warmup_steps: int = 100, seed: int = 0, batch_size: int = 32, lr: float = 3e-3) -> Path:
-    """Tiny Qwen2 causal-LM checkpoint in ``out_dir`` (same text dims and tokenizer)."""
-    return _build(out_dir, "text", warmup_steps, seed, batch_size, lr)
+def build_text_model(
+    out_dir, warmup_steps: int = 100, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, family: str = "qwen2"
+) -> Path:
+    """Tiny causal-LM checkpoint of `family` (default Qwen2) in ``out_dir`` (same text dims and tokenizer)."""
+    return _build(out_dir, "text", warmup_steps, seed, batch_size, lr, family)
 
 
 def main(argv=None) -> None:
@@ -202,16 +219,17 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", choices=VL_FAMILIES, default="qwen2.5-vl", help="VL architecture (--kind vl)")
+    p.add_argument("--family", choices=VL_FAMILIES + TEXT_FAMILIES, help="architecture (default qwen2.5-vl / qwen2)")
     args = p.parse_args(argv)
+    family = args.family or ("qwen2.5-vl" if args.kind == "vl" else "qwen2")
+    if family not in (VL_FAMILIES if args.kind == "vl" else TEXT_FAMILIES):
+        p.error(f"--family {family} is not a {args.kind} family")
     # One thread: the matrices are tiny, so 2 threads gain only ~25% on an idle 2-core box but
     # run ~2x slower when other jobs share it (spinning intra-op threads); and a fixed thread
     # count keeps the saved weights bit-identical from run to run (reduction order).
     torch.set_num_threads(1)
-    if args.kind == "vl":
-        build_vl_model(args.out, warmup_steps=args.warmup_steps, seed=args.seed, family=args.family)
-    else:
-        build_text_model(args.out, warmup_steps=args.warmup_steps, seed=args.seed)
+    build = build_vl_model if args.kind == "vl" else build_text_model
+    build(args.out, warmup_steps=args.warmup_steps, seed=args.seed, family=family)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,29 @@ def test_dropout_is_active_only_inside_its_context(tiny_text):
 def test_bad_targets_are_one_line_errors(tiny_vl):
     with pytest.raises(ValueError, match=r"model.lora.target_modules \['no_such_proj'\]: .*not found"):
         add_lora(load_model(tiny_vl), rank=4, alpha=8.0, dropout=0.0, target_modules=["no_such_proj"])
-    with pytest.raises(ValueError, match="patch_embed.proj is a .*linear layers only"):
-        add_lora(load_model(tiny_vl), rank=4, alpha=8.0, dropout=0.0, target_modules=["patch_embed.proj"])
+    with pytest.raises(ValueError, match="embed_tokens is a Embedding; vlrft trains LoRA on linear and Conv3d layers only"):
+        add_lora(load_model(tiny_vl), rank=4, alpha=8.0, dropout=0.0, target_modules=["embed_tokens"])
+
+
+def test_the_patch_embedding_conv_takes_an_adapter_and_merges_exactly(tiny_vl, mixed_rollouts):
+    # The vision patch embedding is a Conv3d (kernel = stride = one patch): its adapter is a
+    # rank-r patch conv then a 1x1x1 conv, merged as B @ A over the flattened kernel.
+    adapted = load_model(tiny_vl)
+    scalings = add_lora(adapted, rank=4, alpha=8.0, dropout=0.0, target_modules=["patch_embed.proj", "q_proj"])
+    assert "model.visual.patch_embed.proj" in scalings
+    randomise_adapters(adapted, seed=3)
+    merged = dict(merged_weights(adapted.named_parameters(), scalings))
+    plain = load_model(tiny_vl)
+    plain.load_state_dict(merged, strict=False)
+    conv = adapted.model.visual.patch_embed.proj
+    by_hand = conv.base_layer.weight + 2.0 * torch.einsum("or,rcthw->octhw", conv.lora_B["default"].weight.flatten(1),
+                                                           conv.lora_A["default"].weight)
+    torch.testing.assert_close(merged["model.visual.patch_embed.proj.weight"], by_hand)
+    batch = pack(mixed_rollouts[1:2])  # an image prompt
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(plain, batch, 1.0), token_logprobs(adapted, batch, 1.0), atol=1e-5, rtol=1e-5)
+        with adapters_disabled(adapted):
+            torch.testing.assert_close(token_logprobs(adapted, batch, 1.0), token_logprobs(load_model(tiny_vl), batch, 1.0))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -6,6 +6,7 @@ every forward in vlrft runs unchanged. peft renames a wrapped linear's tensors:
 `...q_proj.weight` becomes `...q_proj.base_layer.weight`, next to
 `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.default.weight`. `merged_weights` turns
 that stream back into the HF names an engine or a checkpoint expects, W + scaling * B @ A.
+Linear layers and Conv3d (the vision patch embedding) take adapters.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from vlrft.models.patch_conv import use_patchwise_conv3d
+
 ADAPTER = "default"  # peft's adapter name; vlrft trains one adapter
 BASE = ".base_layer."
 LORA_PARTS = (f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight")
@@ -24,8 +27,11 @@ LORA_PARTS = (f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight")
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str]) -> dict[str, float]:
     """Inject LoRA adapters into `model`'s `target_modules` (peft name matching: a module whose
     name ends with one of them) and freeze everything else. Returns {module name: scaling} of
-    the adapted linears. Raises ValueError naming what did not match or is not a linear."""
+    the adapted layers: linears, and Conv3d such as the vision patch embedding (its adapter is
+    a rank-r patch conv, then a 1x1x1 conv back to the width). Raises ValueError naming what did
+    not match or is another kind of layer."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import Conv3d as LoraConv3d
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -37,13 +43,16 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, ta
     scalings = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer):
-            if not isinstance(module, LoraLinear) or not isinstance(module.base_layer, torch.nn.Linear):
+            linear = isinstance(module, LoraLinear) and isinstance(module.base_layer, torch.nn.Linear)
+            conv = isinstance(module, LoraConv3d) and isinstance(module.base_layer, torch.nn.Conv3d)
+            if not (linear or conv):
                 raise ValueError(
                     f"model.lora.target_modules: {name} is a {type(module.get_base_layer()).__name__}; "
-                    "vlrft trains LoRA on linear layers only"
+                    "vlrft trains LoRA on linear and Conv3d layers only"
                 )
             scalings[name] = float(module.scaling[ADAPTER])
             module.eval()  # peft builds its modules in training mode: dropout would be on everywhere
+    use_patchwise_conv3d(model)  # the adapters' patch convs as matmuls too (models/patch_conv.py)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable), "peft left non-adapter parameters trainable"
     return scalings
@@ -127,7 +136,8 @@ def merged_weights(
         if len(slots) == 3:
             del pending[layer]
             weight, a, b = slots["W"], slots[LORA_PARTS[0]], slots[LORA_PARTS[1]]
-            delta = (b.float() @ a.float()) * scalings[layer]
+            # B @ A over the flattened input (a conv's B is 1x1x1), in the weight's shape.
+            delta = (b.float().flatten(1) @ a.float().flatten(1)).reshape(weight.shape) * scalings[layer]
             yield f"{layer}.weight", (weight.float() + delta).to(weight.dtype)
     if pending:
         raise RuntimeError(f"LoRA merge: incomplete layers {sorted(pending)[:3]}")

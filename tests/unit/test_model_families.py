@@ -1,6 +1,7 @@
-"""Qwen2-VL and Qwen3-VL through the same code path as Qwen2.5-VL, and video prompts for all
-three: packed micro-batches equal per-sample forwards (fp32, 1e-5), packed M-RoPE positions
-equal the model's own rope index, and video pixels have the Qwen-VL video layout."""
+"""Qwen2-VL, Qwen3-VL and Qwen3 text models through the same code path as Qwen2.5-VL and
+Qwen2, and video prompts for the three VL families: packed micro-batches equal per-sample
+forwards (fp32, 1e-5), packed M-RoPE positions equal the model's own rope index, and video
+pixels have the Qwen-VL video layout."""
 
 import json
 
@@ -41,6 +42,20 @@ def test_other_families_pack_exactly(family, model_class, vl_models, colour_data
     assert type(model).__name__ == f"{model_class}ForConditionalGeneration"
     assert_packed_equals_per_sample(model, rollouts, 0.7)
     assert_positions_are_the_models_own(model.model, rollouts)
+
+
+def test_qwen3_text_model_packs_exactly(addition_data, tmp_path):
+    from data_tools.make_tiny_model import build_text_model, main
+
+    path = str(build_text_model(tmp_path / "qwen3", warmup_steps=0, family="qwen3"))
+    model = load_model(path).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    encoder = PromptEncoder(path, 3136, 12544, 512)
+    rows = load_rows(addition_data / "train.jsonl")[:3]
+    rollouts = [Rollout(encoder.encode(r, i), i, [7 + i] * n, "", False) for i, (r, n) in enumerate(zip(rows, [1, 30, 9]))]
+    assert_packed_equals_per_sample(model, rollouts, 1.0)
+    with pytest.raises(SystemExit):  # argparse: "--family qwen3-vl is not a text family"
+        main(["--kind", "text", "--family", "qwen3-vl", "--out", str(tmp_path / "x")])
 
 
 def test_qwen3_vl_deepstack_features_reach_the_decoder(vl_models, colour_data, tmp_path):

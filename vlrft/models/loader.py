@@ -50,7 +50,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     its models in eval mode (no dropout anywhere: rollout-time and update logprobs must be the
     same function). So only the checkpointed layers themselves are marked as training, not
     their submodules: recomputation is on, dropout stays off."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.23 renamed the switch (the old name warns); 5.19 has only the old one.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no layers transformers can checkpoint")

@@ -164,7 +164,7 @@ class SPMDTrainer:
         if self.rank == 0 and self.lora_scalings:
             trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             total = sum(p.numel() for p in policy.parameters())
-            print(f"vlrft: LoRA on {len(self.lora_scalings)} linears: {trainable} of {total} parameters train (model.lora)")
+            print(f"vlrft: LoRA on {len(self.lora_scalings)} layers: {trainable} of {total} parameters train (model.lora)")
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         self.backend = backend(policy, cfg.train.lr)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None

@@ -185,6 +185,7 @@ def _build(out_dir, kind: str, warmup_steps: int, seed: int, batch_size: int, lr
     tokenizer.save_pretrained(out_dir)
     if image_processor is not None:
         image_processor.save_pretrained(out_dir)
+    model.config.save_pretrained(out_dir)  # the encoder reads the family's video conventions from it
     report = {"kind": kind, "family": family, "seed": seed, "warmup_steps": warmup_steps, "token_ids": special_token_ids(tokenizer)}
 
     if warmup_steps > 0:

@@ -87,7 +87,8 @@ class PromptEncoder:
         self.max_frames = max_frames  # frames per video, evenly spaced over the clip
         self.video_max_pixels = video_max_pixels  # per frame
         self.video_refusal = video_refusal  # why a video prompt cannot be used, or "" when it can
-        family = AutoConfig.from_pretrained(model_path).model_type if has_vision else ""
+        has_config = (Path(model_path) / "config.json").is_file()  # not yet while a tiny model warms up
+        family = AutoConfig.from_pretrained(model_path).model_type if has_vision and has_config else ""
         # Qwen3-VL writes each frame group's time into the prompt; Qwen2.5-VL takes the seconds
         # per temporal group as an input of its rope index instead (Qwen2-VL neither).
         self.video_timestamps = family.startswith("qwen3")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -229,6 +230,8 @@ def main(argv=None) -> None:
     # run ~2x slower when other jobs share it (spinning intra-op threads); and a fixed thread
     # count keeps the saved weights bit-identical from run to run (reduction order).
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():  # saving pulls in DeepSpeed, which warns when it finds no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     build = build_vl_model if args.kind == "vl" else build_text_model
     build(args.out, warmup_steps=args.warmup_steps, seed=args.seed, family=family)
 

@@ -19,8 +19,8 @@ class Prompt:
     prompt_text: str  # chat-templated text, with one <|image_pad|> per image (engines' input)
     prompt_ids: list[int]  # token ids with image pads expanded to the image's token count
     images: list = field(default_factory=list)  # PIL images after resizing
-    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw
-    # Per prompt token: 0 text, 1 image (Qwen-VL's mm_token_type_ids). Empty for text-only
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw; videos' too
+    # Per prompt token: 0 text, 1 image, 2 video (Qwen-VL's mm_token_type_ids). Empty for text-only
     # models. The model computes 3-D M-RoPE positions only when it receives these.
     mm_token_types: list[int] = field(default_factory=list)
     index: int = -1  # position in the run's prompt stream (unique); the group id of its responses

@@ -150,16 +150,21 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
                 continue
             if not isinstance(image, str) or not image:
                 raise DataError(f"{where}: an image part needs an 'image' path or bytes")
-            image = Path(image) if Path(image).is_absolute() else base / image
-            if not image.is_file():
-                raise DataError(f"{where}: image file not found: {image}")
-            part = {**part, "image": str(image)}
+            part = {**part, "image": existing_file(image, base, where, "image")}
         elif kind == "video":
             part = _resolve_video(part, base, where)
         elif kind != "text":
             raise DataError(f"{where}: content part type must be 'text', 'image' or 'video', got {kind!r}")
         parts.append(part)
     return {**message, "content": parts}
+
+
+def existing_file(path: str, base: Path, where: str, what: str) -> str:
+    """`path` made absolute (relative to `base`), or a one-line error when no such file exists."""
+    full = Path(path) if Path(path).is_absolute() else base / path
+    if not full.is_file():
+        raise DataError(f"{where}: {what} file not found: {full}")
+    return str(full)
 
 
 def _resolve_video(part: dict, base: Path, where: str) -> dict:
@@ -169,17 +174,10 @@ def _resolve_video(part: dict, base: Path, where: str) -> dict:
     fps = part.get("fps", 1.0)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
         raise DataError(f"{where}: a video part's 'fps' must be a positive number, got {fps!r}")
-
-    def resolve(path) -> str:
-        full = Path(path) if Path(path).is_absolute() else base / path
-        if not full.is_file():
-            raise DataError(f"{where}: video file not found: {full}")
-        return str(full)
-
     if isinstance(video, str) and video:
-        return {**part, "video": resolve(video)}
+        return {**part, "video": existing_file(video, base, where, "video")}
     if isinstance(video, list) and video and all(isinstance(f, (str, bytes)) and f for f in video):
-        return {**part, "video": [f if isinstance(f, bytes) else resolve(f) for f in video]}
+        return {**part, "video": [f if isinstance(f, bytes) else existing_file(f, base, where, "video") for f in video]}
     raise DataError(f"{where}: a video part needs 'video': a file path or a non-empty list of frame images")
 
 
@@ -195,23 +193,17 @@ def user_text(messages: list[dict]) -> str:
     return "\n".join(message_text(m["content"]) for m in messages if m.get("role") == "user")
 
 
-def video_parts(row: dict) -> list[dict]:
-    """A row's video parts in the order they appear in its messages."""
+def parts_of(row: dict, kind: str) -> list[dict]:
+    """A row's content parts of one type ("image", "video"), in the order they appear in its messages."""
     return [
         part
         for message in row["messages"]
         if not isinstance(message["content"], str)
         for part in message["content"]
-        if part["type"] == "video"
+        if part["type"] == kind
     ]
 
 
 def image_sources(row: dict) -> list[str | bytes]:
     """A row's images (absolute paths or encoded bytes) in the order they appear in its messages."""
-    return [
-        part["image"]
-        for message in row["messages"]
-        if not isinstance(message["content"], str)
-        for part in message["content"]
-        if part["type"] == "image"
-    ]
+    return [part["image"] for part in parts_of(row, "image")]

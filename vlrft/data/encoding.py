@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlrft.data.dataset import DataError, image_sources, video_parts
+from vlrft.data.dataset import DataError, image_sources, parts_of
 from vlrft.data.video import VIDEO_PAD, Clip, group_timestamps, read_clip, video_placeholder, video_pixels
 from vlrft.types import Prompt
 
@@ -127,7 +127,7 @@ class PromptEncoder:
                 name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
                 raise DataError(f"{where}: cannot read image {name} ({err})") from None
         clips = []
-        for k, part in enumerate(video_parts(row)):
+        for k, part in enumerate(parts_of(row, "video")):
             if self.image_processor is None or self.video_refusal:
                 raise DataError(f"{where} has a video: {self.video_refusal or 'the model checkpoint has no image processor'}")
             try:

@@ -55,7 +55,8 @@ def spaced(count: int, keep: int) -> list[int]:
 
 def decode_video_file(path: str, fps: float, max_frames: int) -> tuple[list[Image.Image], list[int], float]:
     """Frames of a video file sampled at `fps` (at most `max_frames`, evenly spaced), with their
-    indices at that rate. Decoded with OpenCV (installed with the vllm extras)."""
+    indices at that rate. Decoded with OpenCV (installed with the vllm extras): a first pass
+    only counts frames (`grab`, no decoding), the second decodes just the kept ones."""
     try:
         import cv2
     except ImportError:
@@ -64,20 +65,29 @@ def decode_video_file(path: str, fps: float, max_frames: int) -> tuple[list[Imag
     capture = cv2.VideoCapture(path)
     try:
         native_fps = capture.get(cv2.CAP_PROP_FPS) or 0.0
+        count = 0
+        while capture.grab():
+            count += 1
+        if not count or native_fps <= 0:
+            raise ValueError("cannot decode it (no frames or no frame rate)")
+        step = max(native_fps / fps, 1.0)  # source frames per sampled frame
+        at_rate = [int(k * step) for k in range(int(count / step))] or [0]
+        kept = spaced(len(at_rate), max_frames)
+        wanted = {at_rate[k] for k in kept}
+        capture.release()
+        capture = cv2.VideoCapture(path)  # from the start again (seeking is inexact in some codecs)
         frames = []
-        while True:
-            ok, bgr = capture.read()
-            if not ok:
-                break
-            frames.append(Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)))
+        for source_index in range(max(wanted) + 1):
+            if not capture.grab():
+                raise ValueError(f"cannot decode it (frame {source_index} of {count})")
+            if source_index in wanted:
+                ok, bgr = capture.retrieve()
+                if not ok:
+                    raise ValueError(f"cannot decode it (frame {source_index} of {count})")
+                frames.append(Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)))
     finally:
         capture.release()
-    if not frames or native_fps <= 0:
-        raise ValueError("cannot decode it (no frames or no frame rate)")
-    step = max(native_fps / fps, 1.0)  # source frames per sampled frame
-    at_rate = [int(k * step) for k in range(int(len(frames) / step))] or [0]
-    kept = spaced(len(at_rate), max_frames)
-    return [frames[at_rate[k]] for k in kept], kept, native_fps / step
+    return frames, kept, native_fps / step
 
 
 def video_pixels(clip: Clip, image_processor, size: dict) -> dict[str, torch.Tensor]:

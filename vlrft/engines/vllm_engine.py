@@ -56,8 +56,6 @@ def request_for(prompt: Prompt) -> dict:
     trainer scores). Prompts with images go as the same chat-templated text the trainer
     tokenised (one image pad per image) plus the images, so vLLM's processor expands each pad
     to the image's token count and computes the image features itself."""
-    if "pixel_values_videos" in prompt.mm_inputs:  # refused at encoding already (PromptEncoder.for_config)
-        raise ValueError(f"prompt {prompt.id!r} has a video: the vllm engine serves text and image prompts")
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.prompt_ids)}
     return {"prompt": prompt.prompt_text, "multi_modal_data": {"image": list(prompt.images)}}

@@ -24,6 +24,23 @@ def tiny_text(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def warm_text(tmp_path_factory):
+    """A briefly format-warmed tiny text model (~4 s): it answers "<answer>N</answer>" or
+    "</answer>", so the judge's parse sees both numbers and no number (the untrained
+    tiny_text only emits newlines -> always None)."""
+    import torch
+
+    from data_tools.make_tiny_model import build_text_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the make_tiny_model CLI: same weights every run, no thread spinning
+    try:
+        return str(build_text_model(tmp_path_factory.mktemp("warm_text"), warmup_steps=30))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def colour_data(tmp_path_factory):
     from data_tools.synth_shapes import write_colour_task
 

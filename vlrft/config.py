@@ -103,6 +103,17 @@ class RolloutConfig:
     # until rollout_prompts groups are kept or max_sampling_rounds rounds were generated.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
+    # Multi-turn rollouts (docs/environments.md): an environment answers each turn; "" = one turn.
+    # A built-in name (tools), an installed plugin, or "module:Class" / "file.py:Class".
+    environment: str = ""
+    environment_args: dict = field(default_factory=dict)  # keyword arguments of the environment
+    max_turns: int = 4  # turns the policy generates per trajectory at most
+    max_trajectory_tokens: int = 2048  # response tokens per trajectory: actions and observations
+    environment_timeout_s: float = 30.0  # per reset/step call; a slower call is a counted failure
+
+    def max_response_tokens(self) -> int:
+        """The longest response a rollout can have (loss normaliser, engine context)."""
+        return self.max_trajectory_tokens if self.environment else self.max_new_tokens
 
 
 @dataclass

@@ -47,6 +47,23 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
         )
 
 
+def _validate_multi_turn(rollout) -> None:
+    if not rollout.environment:
+        return
+    from vlrft.multiturn.environment import resolve_environment
+
+    resolve_environment(rollout.environment)  # one line when it cannot be found or loaded
+    if rollout.max_turns < 1:
+        raise ConfigError(f"config key 'rollout.max_turns' must be >= 1, got {rollout.max_turns}")
+    if rollout.max_trajectory_tokens < rollout.max_new_tokens:
+        raise ConfigError(
+            f"config key 'rollout.max_trajectory_tokens' ({rollout.max_trajectory_tokens}) must be >= "
+            f"rollout.max_new_tokens ({rollout.max_new_tokens}): a trajectory holds at least one turn"
+        )
+    if rollout.environment_timeout_s <= 0:
+        raise ConfigError(f"config key 'rollout.environment_timeout_s' must be > 0, got {rollout.environment_timeout_s}")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
     from vlrft.algo import ADVANTAGES, POLICY_LOSSES
@@ -114,6 +131,7 @@ def validate(cfg: Config) -> None:
             f"config key 'train.warmup_steps' must be in [0, {optimizer_steps}) (the run's optimizer steps: "
             f"total_steps x ppo_epochs x mini_batches), got {cfg.train.warmup_steps}"
         )
+    _validate_multi_turn(cfg.rollout)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:

@@ -42,6 +42,17 @@ class Rollout:
     # [R] the engine's own logprob of each sampled token (vLLM; None for engines that do not
     # report them). Compared with the trainer's in `rollout/engine_logprob_diff_*`.
     logprobs: list[float] | None = None
+    # Multi-turn rollouts (vlrft/multiturn): per response token, 1 where the policy generated it
+    # and 0 on the environment's observation tokens, which stay in the sequence (the model reads
+    # them) but are out of every loss, advantage and rollout metric. None: all generated.
+    trained: list[int] | None = None
+    turns: list[dict] = field(default_factory=list)  # multi-turn: one {"action", "observation", "reward"} per turn
+
+    def trained_mask(self) -> torch.Tensor:
+        """[R] float: 1 on the tokens the policy generated (the ones that are trained)."""
+        if self.trained is None:
+            return torch.ones(len(self.response_ids))
+        return torch.tensor(self.trained, dtype=torch.float32)
 
 
 @dataclass

@@ -123,21 +123,6 @@ def test_judge_unknown_template_field():
         generative_judge(["x"], [_sample()], path="/nonexistent", template="{prompt} {}")
 
 
-@pytest.fixture(scope="module")
-def warm_text(tmp_path_factory):
-    """A briefly format-warmed tiny text model (~4 s): it answers "<answer>N</answer>" or
-    "</answer>", so the judge's parse sees both numbers and no number (the untrained
-    tiny_text only emits newlines -> always None)."""
-    from data_tools.make_tiny_model import build_text_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the make_tiny_model CLI: same weights every run, no thread spinning
-    try:
-        return str(build_text_model(tmp_path_factory.mktemp("warm_text"), warmup_steps=30))
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("judge", ["tiny_text", "warm_text"])
 def test_judge_text_matches_direct_generation(judge, request):
     from vlrft.data.encoding import PromptEncoder

@@ -65,21 +65,24 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Ten
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each sequence's score placed on its last valid token; zeros elsewhere. [N], [N, R] -> [N, R]."""
+    """Each sequence's score placed on its last valid token; zeros elsewhere. [N], [N, R] -> [N, R].
+    Valid tokens need not be a prefix: a multi-turn response has observation tokens between turns."""
     out = torch.zeros(mask.shape, dtype=scores.dtype)
-    lengths = mask.sum(-1).long()  # [N]
-    rows = torch.nonzero(lengths > 0).squeeze(-1)  # an empty response has nowhere to put a score
-    out[rows, lengths[rows] - 1] = scores[rows]
+    positions = torch.arange(mask.shape[-1]).expand(mask.shape)  # [N, R]
+    last = torch.where(mask > 0, positions, -1).amax(-1) if mask.shape[-1] else torch.full((mask.shape[0],), -1)  # [N]
+    rows = torch.nonzero(last >= 0).squeeze(-1)  # an empty response has nowhere to put a score
+    out[rows, last[rows]] = scores[rows]
     return out
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} over valid tokens (responses are left-aligned). [N, R]."""
+    """G_t = r_t + gamma * G_{t+1} over valid tokens, G_{t+1} being the next valid token's: masked
+    positions (padding, observation tokens between turns) are skipped, as in GAE. [N, R]."""
     rewards = rewards * mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running * mask[:, t]
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 

@@ -83,7 +83,7 @@ def _make_vllm_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]
         banned_ids,
         tp_size=cfg.rollout.engine_tp_size,
         seed=cfg.train.seed,
-        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens(),
         memory_fraction=cfg.rollout.vllm_memory_fraction,
         image_pixels=(cfg.data.min_pixels, cfg.data.max_pixels),
         dtype=cfg.model.compute_dtype,

@@ -20,6 +20,7 @@ from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
+from vlrft.multiturn.rollout import MultiTurn, generate_rollouts
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
@@ -44,6 +45,8 @@ def completion_fields(rollout: Rollout) -> dict:
         "response_ids": rollout.response_ids,
         "response_length": len(rollout.response_ids),
         "truncated": rollout.truncated,
+        "turns": rollout.turns,  # multi-turn: [{"action", "observation", "reward"(, "error")}]
+        "environment_reward": sum(turn["reward"] for turn in rollout.turns),
     }
 
 
@@ -76,6 +79,7 @@ class MakerSettings:
     # is then the one being updated, so the update's own forward supplies the old logprobs and
     # entropy (ratio exactly 1) and `policy_metrics` runs after it; this pass skips the policy.
     policy_pass: bool = True
+    multi_turn: MultiTurn | None = None  # an environment answers each turn (None: one turn)
 
 
 def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
@@ -85,9 +89,10 @@ def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
 
 
 def token_metrics(rollouts: list[Rollout], entropy: list[torch.Tensor]) -> dict[str, float]:
-    """Global mean token entropy of the rollout policy."""
-    tokens = sum(len(r.response_ids) for r in rollouts)
-    sums = all_reduce_sum(torch.tensor([float(sum(h.sum() for h in entropy)), float(tokens)]))
+    """Global mean entropy of the rollout policy over the tokens it generated."""
+    masks = [r.trained_mask() for r in rollouts]
+    tokens = float(sum(m.sum() for m in masks))
+    sums = all_reduce_sum(torch.tensor([float(sum((h * m).sum() for h, m in zip(entropy, masks))), tokens]))
     return {"rollout/entropy": float(sums[0] / sums[1].clamp(min=1.0))}
 
 
@@ -119,7 +124,7 @@ class FastExperienceMaker:
         """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`.
         `seed` is the generate call's base seed (SamplingParams.seed)."""
         s = self.settings
-        rollouts = self.engine.generate(prompts, replace(s.sampling, seed=seed))
+        rollouts = generate_rollouts(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
         totals, components, dense = self.rewards.score(
             [r.response_text for r in rollouts], [completion_fields(r) for r in rollouts]
         )
@@ -141,7 +146,7 @@ class FastExperienceMaker:
         rollouts = [e.rollout for e in experiences]
         per_token = self.forward_pass(rollouts, placeholder.rollout if placeholder is not None else None)
         width = max((len(r.response_ids) for r in rollouts), default=0)
-        mask = pad_rows([torch.ones(len(r.response_ids)) for r in rollouts], width)  # [N, R]
+        mask = pad_rows([r.trained_mask() for r in rollouts], width)  # [N, R] generated (not observation) tokens
         scores = self.shape_rewards(
             torch.tensor([e.reward for e in experiences], dtype=torch.float32),
             torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
@@ -202,7 +207,7 @@ class FastExperienceMaker:
         s = self.settings
         rollouts = [e.rollout for e in experiences]
         width = max((len(r.response_ids) for r in rollouts), default=0)
-        mask = pad_rows([torch.ones(len(r.response_ids)) for r in rollouts], width)  # [N, R]
+        mask = pad_rows([r.trained_mask() for r in rollouts], width)  # [N, R] generated (not observation) tokens
         old = pad_rows([e.old_logprobs for e in experiences], width)  # [N, R]
         metrics = token_metrics(rollouts, [e.entropy for e in experiences])
         corrections = None
@@ -214,7 +219,7 @@ class FastExperienceMaker:
         if self.reference is not None:
             if kl is None:
                 kl = [KL_ESTIMATORS.get(s.kl.estimator)(e.old_logprobs, e.ref_logprobs) for e in experiences]
-            kl_sum = float(sum(t.sum() for t in kl))
+            kl_sum = float(sum((t * r.trained_mask()).sum() for t, r in zip(kl, rollouts)))
             seq_kl, count = all_reduce_sum(torch.tensor([kl_sum, float(len(rollouts))])).tolist()
             metrics |= {"rollout/kl": seq_kl / max(count, 1.0), "rollout/sequences": count}
         return metrics, corrections

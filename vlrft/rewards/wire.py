@@ -11,7 +11,7 @@ from vlrft.data.encoding import load_rgb_image
 
 # Fields a remote recipe receives; the rest of a sample (tensors, internal state) stays local.
 SAMPLE_FIELDS = ("id", "answer", "data_source", "meta", "messages", "prompt", "images",
-                 "response_ids", "response_length", "truncated")
+                 "response_ids", "response_length", "truncated", "turns", "environment_reward")
 
 
 def encode_samples(samples: list[dict]) -> list[dict]:

@@ -11,7 +11,11 @@ from vlrft.config import Config, kl_estimator_name
 from vlrft.distributed import device
 from vlrft.engines import SamplingParams
 from vlrft.models.loader import load_model
+from vlrft.errors import ConfigError
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
+from vlrft.multiturn.environment import resolve_environment
+from vlrft.multiturn.rollout import MultiTurn
+from vlrft.multiturn.template import observation_template
 
 
 def reward_shaper(cfg: Config):
@@ -63,7 +67,27 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     )
 
 
-def maker_settings(cfg: Config, controller: FixedKLController, image_check=None) -> MakerSettings:
+def multi_turn(cfg: Config, tokenizer, stop_ids: list[int]) -> MultiTurn | None:
+    """Multi-turn rollout settings (None: one turn). One environment is built here so a bad
+    `rollout.environment_args` fails at start-up, in one line."""
+    rollout = cfg.rollout
+    if not rollout.environment:
+        return None
+    factory = resolve_environment(rollout.environment)
+
+    def make_environment():
+        return factory(**rollout.environment_args)
+
+    try:
+        probe = make_environment()
+    except Exception as err:  # noqa: BLE001 - whatever a user's constructor raises is named
+        raise ConfigError(f"environment '{rollout.environment}' could not be built from rollout.environment_args: {err}") from None
+    role = getattr(probe, "observation_role", "tool")
+    template = observation_template(tokenizer, stop_ids, role, cfg.model.path)
+    return MultiTurn(make_environment, template, rollout.max_turns, rollout.max_trajectory_tokens, rollout.environment_timeout_s)
+
+
+def maker_settings(cfg: Config, controller: FixedKLController, image_check=None, multi_turn: MultiTurn | None = None) -> MakerSettings:
     rollout = cfg.rollout
     return MakerSettings(
         sampling=SamplingParams(
@@ -85,6 +109,7 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None)
             cfg.algo.rollout_correction_high,
         ),
         policy_pass=not old_logprobs_from_update(cfg),
+        multi_turn=multi_turn,
     )
 
 

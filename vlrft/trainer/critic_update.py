@@ -40,7 +40,7 @@ def critic_update(backend: TrainBackend, buffer, cfg: Config, world_size: int, i
             old = sample_rows(batch, "values", here)  # [S, R]
             returns = sample_rows(batch, "returns", here)  # [S, R]
             per_token = value_loss(values, old, returns, cfg.critic.value_clip)
-            loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
+            loss = aggregate(per_token, mask, cfg.algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_response_tokens())
             nonfinite += not backward_guarded(backend, loss, values, world_size, boundary=i == len(batches) - 1)
             with torch.no_grad():
                 sums += torch.stack([loss, (values * mask).sum(), (returns * mask).sum(), ((values - returns) ** 2 * mask).sum()])

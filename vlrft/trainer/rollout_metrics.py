@@ -35,12 +35,15 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
     failure_names = rewards.component_names()
     failures = rewards.take_failures()
     # Layout: [count, reward, length, truncated, correct] | per name [sum, count] | per source
-    # [count, reward, correct] | per recipe [failures] | [abandoned calls]
-    local = torch.zeros(5 + 2 * len(names) + 3 * len(sources) + len(failure_names) + 1, dtype=torch.float64)
+    # [count, reward, correct] | per recipe [failures] | [abandoned calls] | multi-turn [turns,
+    # environment failures]
+    local = torch.zeros(5 + 2 * len(names) + 3 * len(sources) + len(failure_names) + 3, dtype=torch.float64)
     col = {name: 5 + 2 * j for j, name in enumerate(names)}
     src = {source: 5 + 2 * len(names) + 3 * j for j, source in enumerate(sources)}
     for e, ok in zip(experiences, correct):
         local[:5] += torch.tensor([1.0, e.reward, len(e.rollout.response_ids), float(e.rollout.truncated), ok])
+        local[-2] += len(e.rollout.turns)
+        local[-1] += sum("error" in turn for turn in e.rollout.turns)
         for name, value in e.reward_components.items():
             local[col[name]] += value
             local[col[name] + 1] += 1.0
@@ -50,7 +53,7 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
     fail_start = 5 + 2 * len(names) + 3 * len(sources)
     for j, name in enumerate(failure_names):
         local[fail_start + j] = failures[name]
-    local[-1] = abandoned_calls()  # cumulative per rank
+    local[-3] = abandoned_calls()  # cumulative per rank
     total = all_reduce_sum(local).tolist()
     n = max(total[0], 1.0)
     metrics = {
@@ -58,8 +61,10 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
         "rollout/response_length": total[2] / n,
         "rollout/truncated_frac": total[3] / n,
         "rollout/accuracy": total[4] / n,
-        "reward/abandoned_calls": total[-1],
+        "reward/abandoned_calls": total[-3],
     }
+    if total[-2] > 0:  # multi-turn rollouts
+        metrics |= {"rollout/turns": total[-2] / n, "rollout/environment_failures": total[-1]}
     for name in names:
         value, count = total[col[name]], total[col[name] + 1]
         if count > 0:

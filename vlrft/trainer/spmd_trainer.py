@@ -43,7 +43,7 @@ from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lo
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
-from vlrft.trainer.build import kl_controller, load_reference, maker_settings, reward_shaper
+from vlrft.trainer.build import kl_controller, load_reference, maker_settings, multi_turn, reward_shaper
 from vlrft.trainer.checkpoint import (
     changed_state_keys,
     cpu_state_dict,
@@ -186,7 +186,7 @@ class SPMDTrainer:
             reference=self.reference,
             rewards=self.rewards,
             shape_rewards=reward_shaper(cfg),
-            settings=maker_settings(cfg, self.kl_controller, self.image_check),
+            settings=maker_settings(cfg, self.kl_controller, self.image_check, multi_turn(cfg, tokenizer, stop_ids)),
             critic=(lambda: self.critic.model) if self.critic is not None else None,
             return_stats=self.return_stats,
         )
@@ -476,7 +476,8 @@ class SPMDTrainer:
             return
         if self.policy_ema is not None:  # evaluate the EMA policy, then restore the live one
             self.engine.update_weights(self.policy_ema.items())
-        metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources)
+        metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources,
+                           self.maker.settings.multi_turn)
         if self.policy_ema is not None:
             self.engine.update_weights(self.policy_weights())
         self.eval_history.append((step, metrics["eval/accuracy"]))

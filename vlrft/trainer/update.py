@@ -27,9 +27,10 @@ def loss_settings(algo) -> LossSettings:
 
 def loss_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
     """Response tokens that count in the loss, in the loss layout (a row per sample, responses
-    left-aligned): not padding, not dummies, not masked out. [S, R] on `on`."""
+    left-aligned): not padding, not dummies, not masked out, not an environment's observation
+    (multi-turn). [S, R] on `on`."""
     keep = [0.0 if batch.dummy else float(getattr(s, "in_loss", True)) for s in batch.samples]
-    return pad_rows([torch.full((len(rollout_of(s).response_ids),), k) for s, k in zip(batch.samples, keep)], device=on)
+    return pad_rows([rollout_of(s).trained_mask() * k for s, k in zip(batch.samples, keep)], device=on)
 
 
 def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -> torch.Tensor:
@@ -238,7 +239,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
                 else:
                     kl = KL_ESTIMATORS.get(estimator)(logp, sample_rows(batch, "ref_logprobs", here))  # [S, R]
                 token_loss = token_loss + kl_coef * kl
-            loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_new_tokens)
+            loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_response_tokens())
             if out.aux_loss is not None:
                 # The router loss is per forward: weight it by this micro-batch's token share.
                 loss = loss + algo.moe_aux_coef * out.aux_loss * mask.sum() / max(total_tokens, 1.0)

@@ -59,11 +59,12 @@ def component_value(value) -> float | None:
 
 
 def mean_advantage(experience: Experience) -> float | None:
-    """Mean advantage over the response tokens (0.0 when none was computed)."""
+    """Mean advantage over the generated response tokens (0.0 when none was computed)."""
     advantages = experience.advantages
     if advantages is None or advantages.numel() == 0:
         return 0.0
-    return rounded(advantages.float().mean().item())
+    trained = experience.rollout.trained_mask()
+    return rounded(float((advantages.float() * trained).sum() / trained.sum().clamp(min=1.0)))
 
 
 def png_bytes(image) -> bytes:
@@ -126,8 +127,11 @@ def trajectory_record(
     response_tokens: list[str],
 ) -> dict:
     """One JSONL line: the prompt, the response (text, ids, each token's text), per-token
-    logprobs/entropy, reward, components, mean advantage and correctness."""
+    logprobs/entropy, reward, components, mean advantage and correctness; for multi-turn
+    trajectories also the turns (action, observation, reward, error) and per token whether the
+    policy generated it (`trained`: 0 on observations)."""
     rollout = experience.rollout
+    multi_turn = {"turns": rollout.turns, "trained": rollout.trained} if rollout.trained is not None else {}
     return {
         "step": step,
         "rank": rank,
@@ -139,6 +143,7 @@ def trajectory_record(
         "logprobs": rounded_list(experience.old_logprobs),
         "advantage": mean_advantage(experience),
         **stats_record(experience, correct),
+        **multi_turn,
     }
 
 

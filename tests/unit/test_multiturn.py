@@ -1,0 +1,183 @@
+"""Multi-turn rollouts: the observation template, tools, environment failures, the rollout loop,
+and observation tokens out of every loss."""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from vlrft.errors import ConfigError
+from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, call_guarded, resolve_environment
+from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate
+from vlrft.multiturn.template import observation_template
+from vlrft.multiturn.tools import ToolEnvironment, calculator, parse_tool_calls
+from vlrft.engines.base import SamplingParams
+from vlrft.types import Prompt, Rollout
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_text):
+    return AutoTokenizer.from_pretrained(tiny_text)
+
+
+def end_of_turn(tokenizer) -> int:
+    return tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_observation_tokens_are_what_the_whole_conversation_tokenizes_to(tokenizer):
+    """No drift: prompt + action + observation built turn by turn == the re-rendered conversation."""
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    assert template.glue == {stop: "\n<|im_start|>tool\n"} and template.suffix == "<|im_end|>\n<|im_start|>assistant\n"
+    question, action, result = "What is 17 * 23?", '<tool_call>{"name": "calculator"}</tool_call>', "391"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False) + tokenizer.encode(action, add_special_tokens=False) + [stop]
+    ids += template.observation_ids(stop, result)
+    whole = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}, {"role": "assistant", "content": action}, {"role": "tool", "content": result}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert ids == tokenizer.encode(whole, add_special_tokens=False)
+    assert template.observation_ids(tokenizer.eos_token_id, result) is None or tokenizer.eos_token_id == stop
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer):
+    rewriting = tokenizer.chat_template.replace(
+        "{% if message['content'] is string %}{{ message['content'] }}",
+        "{% if message['content'] is string %}{% if message['role'] == 'assistant' and not loop.last %}"
+        "{{ message['content'].split('</think>')[-1] }}{% else %}{{ message['content'] }}{% endif %}",
+    )
+    assert rewriting != tokenizer.chat_template
+    original, tokenizer.chat_template = tokenizer.chat_template, rewriting
+    try:
+        with pytest.raises(ConfigError, match="not append-only") as err:
+            observation_template(tokenizer, [end_of_turn(tokenizer)], "user", "my-model")
+    finally:
+        tokenizer.chat_template = original
+    assert "\n" not in str(err.value) and "my-model" in str(err.value)
+
+
+def test_tool_calls_are_parsed_and_answered():
+    calls = parse_tool_calls(
+        'I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"7 // 2\\"}"}</tool_call>'
+        "<tool_call>not json</tool_call><tool_call>{\"arguments\": {}}</tool_call>"
+    )
+    assert calls[:2] == [{"name": "calculator", "arguments": {"expression": "17 * 23"}},
+                         {"name": "calculator", "arguments": {"expression": "7 // 2"}}]
+    assert "not JSON" in calls[2]["error"] and "no 'name'" in calls[3]["error"]
+    env = ToolEnvironment(["calculator"])
+    step = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "(2 + 3) ** 2 / 5"}}</tool_call>'
+                    '<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    assert step.observation == "5\nerror: unknown tool 'search'; available: calculator" and not step.done
+    assert env.step("The answer is 391.") == Step("", 0.0, done=True)  # no call: the final answer
+
+
+def test_calculator_is_exact_and_runs_no_code():
+    assert calculator("17 * 23") == "391" and calculator("-(7 - 10) % 4") == "3" and calculator("1 / 4") == "0.25"
+    for bad in ("__import__('os').system('true')", "[1] * 10", "2 ** 1000"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_user_tools_and_the_python_tool(tmp_path):
+    (tmp_path / "my_tools.py").write_text("def shout(text):\n    return text.upper()\n")
+    env = ToolEnvironment([f"{tmp_path / 'my_tools.py'}:shout", "python"])
+    step = env.step('<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>'
+                    '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+                    '<tool_call>{"name": "shout", "arguments": {"wrong": 1}}</tool_call>')
+    lines = step.observation.split("\n")
+    assert lines[0] == "HI" and lines[1] == "42" and lines[-1].startswith("error: TypeError")
+    with pytest.raises(ConfigError, match="not found"):
+        ToolEnvironment([f"{tmp_path / 'missing.py'}:shout"])
+
+
+def test_environment_calls_fail_in_one_line_and_never_hang():
+    def boom(_):
+        raise RuntimeError("database\nunreachable")
+
+    with pytest.raises(EnvironmentFailure, match="raised RuntimeError: database unreachable"):
+        call_guarded(boom, "x", timeout_s=5)
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailure, match="timed out after 0.2s"):
+        call_guarded(time.sleep, 5, timeout_s=0.2)
+    assert time.monotonic() - started < 2
+    assert as_step(("obs", 1, False)) == Step("obs", 1.0, False)
+    for bad, why in ((None, "not a Step"), (("obs", "high", False), "not a number"), ((3, 0.0, False), "not text"),
+                     (("obs", float("nan"), False), "not finite")):
+        with pytest.raises(EnvironmentFailure, match=why):
+            as_step(bad)
+    assert resolve_environment("tools") is ToolEnvironment
+    with pytest.raises(ConfigError, match="unknown environment 'nope'; available: tools"):
+        resolve_environment("nope")
+
+
+class ScriptedEngine:
+    """Test double of an engine: each call answers every prompt with the next scripted turn."""
+
+    def __init__(self, turns: list[list[int]], stop: int):
+        self.turns, self.stop, self.calls = turns, stop, []
+
+    def generate(self, prompts, params):
+        self.calls.append([list(p.prompt_ids) for p in prompts])
+        ids = self.turns[len(self.calls) - 1]
+        truncated = ids[-1] != self.stop
+        return [Rollout(p, p.index, list(ids), f"turn {len(self.calls)}", truncated, [-0.5] * len(ids)) for p in prompts]
+
+
+class CountingEnvironment:
+    """Answers 'obs' until its third step; fails on rows whose id says so."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def reset(self, sample):
+        self.row = sample["id"]
+        if self.row == "bad-reset":
+            raise ValueError("no such level")
+
+    def step(self, action):
+        self.steps += 1
+        if self.row == "hangs" and self.steps == 2:
+            time.sleep(3)
+        return Step("obs", reward=0.25, done=self.steps == 3)
+
+
+def prompt(row_id: str, index: int) -> Prompt:
+    return Prompt(row_id, "src", "", {}, "", [1, 2, 3], index=index)
+
+
+def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer):
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    obs = template.observation_ids(stop, "obs")
+    engine = ScriptedEngine([[7, stop], [8, 9, stop], [10, stop], [11, stop]], stop)
+    mt = MultiTurn(CountingEnvironment, template, max_turns=4, max_tokens=200, timeout_s=1.0)
+    fields = lambda p: {"id": p.id}  # noqa: E731
+    rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("hangs", 2)]
+    rollouts = multi_turn_generate(engine, rows, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), mt, fields)
+    assert [r.group_id for r in rollouts] == [0, 0, 1, 1, 2, 2]
+    ok = rollouts[0]
+    assert ok.response_ids == [7, stop] + obs + [8, 9, stop] + obs + [10, stop]  # done at the third step
+    assert ok.trained == [1, 1] + [0] * len(obs) + [1, 1, 1] + [0] * len(obs) + [1, 1]
+    assert ok.logprobs == [-0.5, -0.5] + [0.0] * len(obs) + [-0.5] * 3 + [0.0] * len(obs) + [-0.5] * 2
+    assert [t["reward"] for t in ok.turns] == [0.25] * 3 and ok.response_text == "turn 3"
+    assert engine.calls[1][0] == [1, 2, 3, 7, stop] + obs  # turn 2 continues the very ids of turn 1
+    assert len(engine.calls) == 4 and engine.calls[3] == []  # every turn is a call (TP groups stay together)
+    bad = rollouts[2]
+    assert bad.response_ids == [] and "reset raised ValueError: no such level" in bad.turns[0]["error"]
+    hung = rollouts[4]
+    assert len(hung.turns) == 2 and "timed out" in hung.turns[1]["error"] and hung.trained[-1] == 1
+
+
+def test_trajectory_budget_and_turn_limit(tokenizer):
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    obs = template.observation_ids(stop, "obs")
+    run = lambda turns, budget: multi_turn_generate(  # noqa: E731
+        ScriptedEngine([[7, stop]] * 4, stop), [prompt("ok", 0)], SamplingParams(n=1, max_new_tokens=2, temperature=1.0),
+        MultiTurn(CountingEnvironment, template, max_turns=turns, max_tokens=budget, timeout_s=1.0), lambda p: {"id": p.id})[0]
+    assert len(run(1, 200).turns) == 1
+    fits_two = 2 + len(obs) + 2  # a next turn starts only when its observation and a full action fit
+    assert len(run(4, fits_two).response_ids) == fits_two and len(run(4, fits_two - 1).turns) == 1

@@ -1,0 +1,195 @@
+"""Multi-turn trajectories through the experience maker and the updates: the maker's logprobs
+equal the trainer's forward, and observation tokens weigh nothing in any loss or advantage."""
+
+import copy
+
+import pytest
+import torch
+from deepspeed.utils import safe_get_full_grad
+
+from tests.unit.test_logprob_consistency import SEVERAL_STEPS, build_trainer
+from vlrft.algo.advantages import discounted_returns, gae_advantages, token_rewards
+from vlrft.models.collate import gather_responses
+from vlrft.models.forward import token_logprobs
+from vlrft.trainer.critic_update import critic_update
+from vlrft.trainer.update import policy_update
+
+NUDGE = '''
+import time
+
+from vlrft.multiturn.environment import Step
+
+
+class Nudge:
+    """Answers every turn with the same reply; the trajectory ends after `turns` steps."""
+
+    observation_role = "user"
+
+    def __init__(self, reply, turns, delay=0.0):
+        self.reply, self.turns, self.delay = reply, turns, delay
+
+    def reset(self, sample):
+        self.steps = 0
+
+    def step(self, action):
+        time.sleep(self.delay if self.steps == 0 else 0.0)
+        self.steps += 1
+        return Step(self.reply, 0.5 if "1" in action else 0.0, self.steps >= self.turns)
+'''
+
+
+def build(model, data, tmp_path, extra=()):
+    (tmp_path / "nudge.py").write_text(NUDGE)
+    return build_trainer(model, data, tmp_path, [
+        SEVERAL_STEPS, f"rollout.environment={tmp_path / 'nudge.py'}:Nudge",
+        "rollout.environment_args={reply: 'Check it again.', turns: 3}", "rollout.max_turns=3",
+        "rollout.max_new_tokens=12", "rollout.max_trajectory_tokens=80", "algo.advantage=gae", "critic.enabled=true", "algo.entropy_coef=0.01", *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def made(warm_text, addition_data, tmp_path_factory, world_of_one):
+    trainer = build(warm_text, addition_data, tmp_path_factory.mktemp("multiturn"))
+    torch.manual_seed(0)
+    prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
+    experiences, metrics = trainer.maker.make(prompts)
+    return trainer, experiences, metrics
+
+
+def test_multi_turn_experiences(made):
+    trainer, experiences, _ = made
+    assert len(experiences) == 12
+    observed = [e for e in experiences if 0 in e.rollout.trained]
+    assert observed, "some trajectory got an observation"
+    reply = trainer.encoder.tokenizer.encode("Check it again.", add_special_tokens=False)
+    for e in observed:
+        ids, trained = e.rollout.response_ids, e.rollout.trained
+        observation = [t for t, k in zip(ids, trained) if not k]
+        assert all(observation[i : i + len(reply)] == reply for i in [observation.index(reply[0])])
+        assert len(ids) <= 80 and 2 <= len(e.rollout.turns) <= 3
+        out = torch.tensor(trained) == 0
+        assert (e.advantages[out] == 0).all() and (e.returns[out] == 0).all()
+        assert e.reward_components is not None
+
+
+def test_maker_logprobs_equal_the_engine_and_the_trainer_forward(made):
+    """The engine sampled each turn from the ids it was given; the experience pass and the
+    trainer's packed forward over whole trajectories agree with it on every generated token."""
+    trainer, experiences, metrics = made
+    worst_engine = 0.0
+    for e in experiences:
+        trained = torch.tensor(e.rollout.trained, dtype=torch.bool)
+        engine = torch.tensor(e.rollout.logprobs)
+        worst_engine = max([worst_engine, *(engine - e.old_logprobs)[trained].abs().tolist()])
+    assert worst_engine <= 1e-4, worst_engine
+    trainer.buffer.clear()
+    trainer.buffer.add(experiences)
+    checked = 0
+    with torch.no_grad():
+        for batch in trainer.buffer.micro_batches(shuffle=True):
+            logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
+            for e, row in zip(batch.samples, gather_responses(batch, logp)):
+                torch.testing.assert_close(row, e.old_logprobs, rtol=0, atol=1e-5)
+                checked += 1
+    assert checked == 12
+    assert metrics["rollout/engine_logprob_diff_max"] <= 1e-4
+
+
+def record_gradients(backend, run) -> torch.Tensor:
+    """The gradient `run` accumulates before its optimizer step; the step is skipped (weights stay)."""
+    grads = []
+
+    def record():
+        grads.append(torch.cat([safe_get_full_grad(p).flatten().clone() for p in backend.module.parameters() if p.requires_grad]))
+        backend.skip_step()
+        return 0.0
+
+    backend.step, real = record, backend.step
+    try:
+        run()
+    finally:
+        backend.step = real
+    return grads[0]
+
+
+def gradients(trainer, experiences):
+    trainer.buffer.clear()
+    trainer.buffer.add(experiences)
+    cfg = trainer.cfg
+    policy = record_gradients(trainer.backend, lambda: policy_update(trainer.backend, trainer.buffer, cfg, 1, 0.1, trainer.reference))
+    critic = record_gradients(trainer.critic, lambda: critic_update(trainer.critic, trainer.buffer, cfg, 1))
+    return policy, critic
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_observation_tokens_weigh_nothing_in_any_loss(made):
+    """Garbage in every per-token field of the observation tokens changes no gradient (policy:
+    clipped ratio, KL, entropy; critic: value loss); the same change on one generated token does."""
+    trainer, experiences, _ = made
+    g = torch.Generator().manual_seed(1)
+    garbage = copy.deepcopy(experiences)
+    for e in garbage:
+        out = torch.tensor(e.rollout.trained) == 0
+        for name in ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "entropy"):
+            field = getattr(e, name)
+            field[out] = 5.0 * torch.randn(int(out.sum()), generator=g)
+    policy, critic = gradients(trainer, copy.deepcopy(experiences))
+    policy_garbage, critic_garbage = gradients(trainer, garbage)
+    assert policy.norm() > 0 and critic.norm() > 0
+    # Equal up to summation order (the buffer shuffles micro-batches differently each update).
+    assert relative(policy_garbage, policy) < 1e-6 and relative(critic_garbage, critic) < 1e-6
+    changed = copy.deepcopy(experiences)
+    first = next(e for e in changed if 0 in e.rollout.trained)
+    k = first.rollout.trained.index(1)
+    first.advantages[k] += 1.0
+    first.returns[k] += 1.0
+    policy_changed, critic_changed = gradients(trainer, changed)
+    assert relative(policy_changed, policy) > 1e-3 and relative(critic_changed, critic) > 1e-3
+
+
+def test_advantage_estimators_skip_observation_tokens():
+    """Hand-computed: turn 1 = tokens 0-1, observation = 2-3, turn 2 = token 4, then padding."""
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+    assert token_rewards(torch.tensor([2.0]), mask).tolist() == [[0, 0, 0, 0, 2.0, 0]]
+    rewards = torch.tensor([[1.0, 0, 7, 7, 2, 7]])
+    assert discounted_returns(rewards, mask, 0.5).tolist() == [[1.5, 1.0, 0, 0, 2.0, 0]]
+    values = torch.tensor([[0.1, 0.2, 9, 9, 0.3, 9]])
+    advantages, returns = gae_advantages(rewards, values, mask, 1.0, 1.0)
+    # A4 = 2 - 0.3; A1 = (0 + 0.3 - 0.2) + A4; A0 = (1 + 0.2 - 0.1) + A1
+    torch.testing.assert_close(advantages, torch.tensor([[2.9, 1.8, 0, 0, 1.7, 0]]))
+    torch.testing.assert_close(returns, torch.tensor([[3.0, 2.0, 0, 0, 2.0, 0]]))
+
+
+MULTI_TURN_CHANGES = {
+    "rollout.environment": "rollout.environment=''",
+    "rollout.environment_args": "rollout.environment_args={reply: 'No.', turns: 3}",
+    "rollout.max_turns": "rollout.max_turns=2",
+    "rollout.max_trajectory_tokens": "rollout.max_trajectory_tokens=30",
+    "rollout.environment_timeout_s": "rollout.environment_timeout_s=0.01",
+}
+
+
+@pytest.mark.parametrize("key", sorted(MULTI_TURN_CHANGES))
+def test_multi_turn_keys_change_the_step(key, warm_text, addition_data, tmp_path, world_of_one):
+    """No dead options: each multi-turn key changes what one training step does (the timeout
+    against an environment that takes 0.05 s for a first step: every trajectory fails there)."""
+    from tests.unit.test_config_wiring import flat_parameters
+
+    def update(extra):
+        (tmp_path / str(len(extra))).mkdir()
+        trainer = build(warm_text, addition_data, tmp_path / str(len(extra)), [
+            "rollout.environment_args={reply: 'Check it again.', turns: 3, delay: 0.05}", "train.lr=0.001", *extra])
+        torch.manual_seed(0)
+        before = flat_parameters(trainer)
+        metrics = trainer.train_step()
+        return flat_parameters(trainer) - before, metrics
+
+    baseline, metrics = update([])
+    assert metrics["rollout/turns"] > 1.5 and metrics["rollout/environment_failures"] == 0
+    changed, changed_metrics = update([MULTI_TURN_CHANGES[key]])
+    assert not torch.allclose(changed, baseline, rtol=1e-3, atol=1e-7), key
+    if key == "rollout.environment_timeout_s":
+        assert changed_metrics["rollout/environment_failures"] == 12  # counted, and the step completed

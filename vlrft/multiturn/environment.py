@@ -1,0 +1,112 @@
+"""Environments for multi-turn rollouts: the protocol, finding one by name, and calling it so
+that nothing it does can stop training.
+
+An environment answers the policy's turns. One instance serves one trajectory:
+
+    class MyEnv:
+        def __init__(self, **environment_args): ...
+        def reset(self, sample: dict) -> None: ...        # the row (same keys a reward recipe sees)
+        def step(self, action: str) -> Step | tuple: ... # (observation text, reward, done)
+
+The row's prompt is the first observation. A name resolves, in order, to a built-in short name
+(BUILTIN_ENVIRONMENTS), an entry point in the group `vlrft.environments`, or
+"package.module:Class" / "path/to/file.py:Class" (any callable returning an environment).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Protocol
+
+from vlrft.errors import ConfigError
+from vlrft.registry import load_callable
+
+ENTRY_POINT_GROUP = "vlrft.environments"
+BUILTIN_ENVIRONMENTS = {"tools": "vlrft.multiturn.tools:ToolEnvironment"}
+
+
+@dataclass
+class Step:
+    """An environment's answer to one turn."""
+
+    observation: str  # shown to the policy as the next user/tool turn ("" with done: nothing)
+    reward: float = 0.0  # this turn's reward; recipes see each turn's and their sum
+    done: bool = False  # the trajectory ends after this turn
+
+
+class Environment(Protocol):
+    def reset(self, sample: dict) -> None: ...
+
+    def step(self, action: str) -> Step | tuple: ...
+
+
+class EnvironmentFailure(RuntimeError):
+    """One failed environment call; the message is one line saying why."""
+
+
+def plugin_environments() -> dict:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_environment(name: str) -> Callable[..., Environment]:
+    """The factory a config names (`rollout.environment`); one line naming the problem else."""
+    if name in BUILTIN_ENVIRONMENTS:
+        return load_callable(BUILTIN_ENVIRONMENTS[name])
+    plugins = plugin_environments()
+    if name in plugins:
+        try:
+            return plugins[name].load()
+        except Exception as err:  # noqa: BLE001 - a broken plugin is named, whatever it raised
+            raise ConfigError(f"environment plugin '{name}' ({plugins[name].value}) failed to load: {err}") from None
+    if ":" not in name:
+        available = ", ".join(sorted(set(BUILTIN_ENVIRONMENTS) | set(plugins)))
+        raise ConfigError(f"unknown environment '{name}'; available: {available}; or give 'package.module:Class' / 'file.py:Class'")
+    try:
+        return load_callable(name)
+    except ValueError as err:
+        raise ConfigError(f"environment {err}") from None
+
+
+def as_step(answer: Any) -> Step:
+    """A Step from what `step` returned (a Step or an (observation, reward, done) tuple)."""
+    if isinstance(answer, tuple) and len(answer) == 3:
+        answer = Step(*answer)
+    if not isinstance(answer, Step):
+        raise EnvironmentFailure(f"step returned {type(answer).__name__}, not a Step or (observation, reward, done)")
+    if not isinstance(answer.observation, str):
+        raise EnvironmentFailure(f"step's observation is {type(answer.observation).__name__}, not text")
+    try:
+        reward = float(answer.reward)
+    except (TypeError, ValueError):
+        raise EnvironmentFailure(f"step's reward {answer.reward!r} is not a number") from None
+    if not math.isfinite(reward):
+        raise EnvironmentFailure(f"step's reward {reward} is not finite")
+    return Step(answer.observation, reward, bool(answer.done))
+
+
+def call_guarded(fn: Callable, *args, timeout_s: float) -> Any:
+    """fn(*args) in a daemon thread with a wall-clock timeout; anything it raises, or a call that
+    outlives the timeout (abandoned: a thread cannot be killed), is an EnvironmentFailure."""
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - anything an environment raises is its failure
+            outcome["error"] = err
+
+    worker = threading.Thread(target=work, daemon=True, name="vlrft-environment")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise EnvironmentFailure(f"timed out after {timeout_s:g}s")
+    if "error" in outcome:
+        err = outcome["error"]
+        message = " ".join(str(err).split())[:200]
+        raise EnvironmentFailure(f"raised {type(err).__name__}: {message}")
+    return outcome.get("value")

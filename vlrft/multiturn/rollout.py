@@ -1,0 +1,140 @@
+"""Multi-turn rollouts: the engine generates a turn, the environment answers, its observation is
+appended as the chat template wraps it, until the environment is done, `max_turns` turns were
+generated or the trajectory's token budget would be exceeded.
+
+Any engine serves it: each turn is an ordinary `generate` call (n = 1) on prompts whose ids are
+the row's prompt followed by the trajectory so far, so the KV-cache-free HF engine and vLLM (text
+prompts go to it as token ids) see exactly the tokens the trainer will score. The result is one
+Rollout per trajectory whose response is every action and observation in order, with
+`trained` = 0 on the observations (in the sequence, out of every loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
+from vlrft.multiturn.environment import Environment, EnvironmentFailure, as_step, call_guarded
+from vlrft.multiturn.template import ObservationTemplate
+from vlrft.types import Prompt, Rollout
+
+
+@dataclass
+class MultiTurn:
+    make_environment: Callable[[], Environment]  # a fresh environment per trajectory
+    template: ObservationTemplate
+    max_turns: int
+    max_tokens: int  # response tokens per trajectory: actions and observations together
+    timeout_s: float  # per environment call
+
+
+@dataclass
+class Trajectory:
+    prompt: Prompt
+    environment: Environment | None
+    ids: list[int] = field(default_factory=list)
+    trained: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    truncated: bool = False
+    done: bool = False
+
+    def continuation(self) -> Prompt:
+        """The prompt of the next turn: the row's prompt and everything since (text tokens)."""
+        p = self.prompt
+        types = p.mm_token_types + [0] * len(self.ids) if p.mm_token_types else []
+        return replace(p, prompt_ids=p.prompt_ids + self.ids, mm_token_types=types)
+
+    def add(self, ids: list[int], logprobs: list[float] | None, trained: int) -> None:
+        self.ids += ids
+        self.trained += [trained] * len(ids)
+        if self.logprobs is None:
+            return
+        if trained and logprobs is None:
+            self.logprobs = None  # the engine reports no logprobs
+        else:  # observations get 0: out of the loss, and out of the engine-gap metrics
+            self.logprobs += list(logprobs) if trained else [0.0] * len(ids)
+
+    def rollout(self) -> Rollout:
+        return Rollout(
+            prompt=self.prompt,
+            group_id=self.prompt.index,
+            response_ids=self.ids,
+            response_text=self.turns[-1]["action"] if self.turns else "",
+            truncated=self.truncated,
+            logprobs=self.logprobs,
+            trained=self.trained,
+            turns=self.turns,
+        )
+
+
+def start(trajectory: Trajectory, fields: dict, timeout_s: float) -> None:
+    try:
+        call_guarded(trajectory.environment.reset, fields, timeout_s=timeout_s)
+    except EnvironmentFailure as failure:
+        fail(trajectory, f"reset {failure}")
+
+
+def fail(trajectory: Trajectory, message: str) -> None:
+    """An environment failure ends the trajectory; the turn records it (counted in the metrics)."""
+    print(f"vlrft: environment failed on row {trajectory.prompt.id!r}: {message}", flush=True)
+    if trajectory.turns:
+        trajectory.turns[-1]["error"] = message
+    else:
+        trajectory.turns.append({"action": "", "observation": "", "reward": 0.0, "error": message})
+    trajectory.done = True
+
+
+def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_tokens: int, last_turn: bool) -> None:
+    """Record a generated turn, then let the environment answer it (unless the trajectory ends)."""
+    trajectory.add(action.response_ids, action.logprobs, trained=1)
+    turn = {"action": action.response_text, "observation": "", "reward": 0.0}
+    trajectory.turns.append(turn)
+    trajectory.truncated = action.truncated
+    if action.truncated or not action.response_ids:
+        trajectory.done = True
+        return
+    try:
+        step = as_step(call_guarded(trajectory.environment.step, action.response_text, timeout_s=mt.timeout_s))
+    except EnvironmentFailure as failure:
+        fail(trajectory, f"step {failure}")
+        return
+    turn["reward"] = step.reward
+    if step.done or last_turn:
+        trajectory.done = True
+        return
+    observation = mt.template.observation_ids(action.response_ids[-1], step.observation)
+    # The next turn must fit whole: the observation and a full-length action.
+    if observation is None or len(trajectory.ids) + len(observation) + max_new_tokens > mt.max_tokens:
+        trajectory.done = True
+        return
+    turn["observation"] = step.observation
+    trajectory.add(observation, None, trained=0)
+
+
+def multi_turn_generate(
+    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, mt: MultiTurn, fields_of: Callable[[Prompt], dict]
+) -> list[Rollout]:
+    """params.n trajectories per prompt, grouped by prompt like `engine.generate`'s rollouts.
+    Every rank runs the same number of generate calls (max_turns) so a TP engine's group stays
+    together; a rank whose trajectories all ended sends none of its own."""
+    trajectories = [Trajectory(p, mt.make_environment()) for p in prompts for _ in range(params.n)]
+    for t in trajectories:
+        start(t, fields_of(t.prompt), mt.timeout_s)
+    for turn in range(mt.max_turns):
+        running = [t for t in trajectories if not t.done]
+        turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))
+        actions = engine.generate([t.continuation() for t in running], turn_params)
+        for t, action in zip(running, actions):
+            answer(t, action, mt, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
+    return [t.rollout() for t in trajectories]
+
+
+def generate_rollouts(
+    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, mt: MultiTurn | None, fields_of: Callable[[Prompt], dict]
+) -> list[Rollout]:
+    """One turn (`engine.generate`) or multi-turn trajectories, by the run's settings."""
+    if mt is None:
+        return engine.generate(prompts, params)
+    return multi_turn_generate(engine, prompts, params, mt, fields_of)

@@ -1,0 +1,136 @@
+"""Tool calling: Qwen/Hermes-style calls parsed from a turn, run, and their results returned as
+the next observation.
+
+A call is written by the policy as
+    <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
+A turn without a call is the final answer: the trajectory ends there. A tool is a plain
+function taking the call's arguments as keywords and returning text; built-ins are
+`calculator` (exact arithmetic, no eval) and `python` (a program run in the subprocess sandbox,
+its stdout returned). A tool that raises returns its error as the result: the policy sees it,
+as a person at a terminal would.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from typing import Callable
+
+from vlrft.errors import ConfigError
+from vlrft.multiturn.environment import Step
+from vlrft.registry import load_callable
+from vlrft.rewards.sandbox import run_python
+
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPERATORS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """Each <tool_call> of a turn as {"name", "arguments"}; a malformed call becomes
+    {"error": why}, answered as such (the policy learns the format from it)."""
+    calls = []
+    for body in CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as err:
+            calls.append({"error": f"tool call is not JSON ({err.msg})"})
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append({"error": "tool call has no 'name'"})
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some templates send arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append({"error": f"tool call '{call['name']}' has arguments that are not an object"})
+            continue
+        calls.append({"name": call["name"], "arguments": arguments})
+    return calls
+
+
+def _evaluate(node: ast.AST) -> float | int:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _OPERATORS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic expression (+ - * / // % ** and parentheses)."""
+    value = _evaluate(ast.parse(str(expression), mode="eval"))
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def python(code: str) -> str:
+    """Run a program in the sandbox (5 s, 512 MB); its standard output, or why it failed."""
+    result = run_python(str(code), timeout_s=5.0)
+    if result.timed_out:
+        return "error: timed out after 5s"
+    if result.returncode != 0:
+        return "error: " + (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+    return result.stdout
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": python}
+
+
+def resolve_tool(spec: str) -> tuple[str, Callable[..., str]]:
+    """(name the policy calls it by, function): a built-in name or 'module:fn' / 'file.py:fn'."""
+    if spec in BUILTIN_TOOLS:
+        return spec, BUILTIN_TOOLS[spec]
+    try:
+        fn = load_callable(spec)
+    except ValueError as err:
+        raise ConfigError(f"tool {err}; built-in tools: {', '.join(BUILTIN_TOOLS)}") from None
+    return spec.rpartition(":")[2], fn
+
+
+class ToolEnvironment:
+    """The `tools` environment: runs the tool calls of each turn; a turn without one ends the
+    trajectory. environment_args: tools (list of names or 'file.py:fn'), max_result_chars."""
+
+    observation_role = "tool"
+
+    def __init__(self, tools: list[str] = ("calculator",), max_result_chars: int = 1000):
+        self.tools = dict(resolve_tool(spec) for spec in tools)
+        self.max_result_chars = max_result_chars
+
+    def reset(self, sample: dict) -> None:
+        pass
+
+    def step(self, action: str) -> Step:
+        calls = parse_tool_calls(action)
+        if not calls:
+            return Step("", 0.0, done=True)
+        return Step("\n".join(self.run(call) for call in calls))
+
+    def run(self, call: dict) -> str:
+        if "error" in call:
+            return f"error: {call['error']}"
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            return f"error: unknown tool '{call['name']}'; available: {', '.join(self.tools)}"
+        try:
+            result = str(tool(**call["arguments"]))
+        except Exception as err:  # noqa: BLE001 - a tool's error is its result, shown to the policy
+            result = f"error: {type(err).__name__}: {err}"
+        return result[: self.max_result_chars]

@@ -66,6 +66,14 @@ def world_of_one():
     return init_distributed()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """In-process tests leave a gloo group (world_of_one, trainers built in the test process):
+    destroyed here, since one left to interpreter finalisation can abort pytest."""
+    from vlrft.distributed import shutdown_distributed
+
+    shutdown_distributed()
+
+
 @pytest.fixture(scope="session")
 def vl_models(tiny_vl, tmp_path_factory):
     """family -> a tiny checkpoint of that VL family (data_tools.make_tiny_model.VL_FAMILIES),

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
+            from vlrft.distributed import shutdown_distributed
             from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
             trainer = SPMDTrainer(cfg)
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             except TrainingStopped as stopped:
                 if trainer.rank == 0:
                     print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
+                shutdown_distributed()
                 return 128 + stopped.signum
             if trainer.rank == 0:
                 if history:  # empty without data.eval_path
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 if cfg.trajectory.save_every:
                     html, summary = write_report(cfg.output.dir)
                     print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
+            shutdown_distributed()
     except json.JSONDecodeError as err:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2

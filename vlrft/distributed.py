@@ -75,6 +75,15 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits. Left to the interpreter's
+    finalisation, gloo's worker threads can abort a run that succeeded (SIGABRT, "terminate
+    called without an active exception"). Only on a clean exit: a rank whose peers died
+    mid-collective could hang here instead."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 

@@ -41,6 +41,22 @@ def warm_text(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def warm_vl(tmp_path_factory):
+    """A briefly warmed tiny VL model (~10 s): it answers "<answer>colour</answer>" and stops, so
+    multi-turn rollouts get past their first turn."""
+    import torch
+
+    from data_tools.make_tiny_model import build_vl_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return str(build_vl_model(tmp_path_factory.mktemp("warm_vl"), warmup_steps=30))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def colour_data(tmp_path_factory):
     from data_tools.synth_shapes import write_colour_task
 

@@ -181,3 +181,58 @@ def test_trajectory_budget_and_turn_limit(tokenizer):
     assert len(run(1, 200).turns) == 1
     fits_two = 2 + len(obs) + 2  # a next turn starts only when its observation and a full action fit
     assert len(run(4, fits_two).response_ids) == fits_two and len(run(4, fits_two - 1).turns) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.environment=nope", "unknown environment 'nope'; available: tools"),
+    ("rollout.max_turns=0", "'rollout.max_turns' must be >= 1, got 0"),
+    ("rollout.max_trajectory_tokens=8", "'rollout.max_trajectory_tokens' (8) must be >= rollout.max_new_tokens (16)"),
+    ("rollout.environment_timeout_s=0", "'rollout.environment_timeout_s' must be > 0"),
+])
+def test_multi_turn_config_errors_are_one_line(override, message, tiny_text, addition_data):
+    from vlrft.config import load_config
+
+    base = [f"model.path={tiny_text}", f"data.train_path={addition_data / 'train.jsonl'}", "rollout.max_new_tokens=16",
+            "rollout.environment=tools"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base + [override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_environment_args_reach_the_environment_and_bad_ones_fail_at_start(tiny_text, addition_data, tokenizer):
+    from vlrft.config import load_config
+    from vlrft.trainer.build import multi_turn
+
+    base = [f"model.path={tiny_text}", f"data.train_path={addition_data / 'train.jsonl'}", "rollout.environment=tools"]
+    stop = [end_of_turn(tokenizer)]
+    assert multi_turn(load_config(None, base[:2]), tokenizer, stop) is None  # no environment: one turn
+    mt = multi_turn(load_config(None, base + ["rollout.environment_args={tools: [python], max_result_chars: 3}"]), tokenizer, stop)
+    env = mt.make_environment()
+    assert list(env.tools) == ["python"] and env.max_result_chars == 3
+    assert mt.template.glue == {stop[0]: "\n<|im_start|>tool\n"}  # the tools environment answers as role "tool"
+    with pytest.raises(ConfigError, match="environment 'tools' could not be built from rollout.environment_args: .*colour"):
+        multi_turn(load_config(None, base + ["rollout.environment_args={colour: red}"]), tokenizer, stop)
+
+
+def test_an_engine_that_cannot_continue_image_prompts_refuses_them_in_one_line(tokenizer):
+    stop = end_of_turn(tokenizer)
+    engine = ScriptedEngine([[7, stop]] * 2, stop)
+    engine.continues_image_prompts = False  # as the vLLM engine (image prompts go to it as text)
+    mt = MultiTurn(CountingEnvironment, observation_template(tokenizer, [stop], "tool", "tiny"), 2, 100, 1.0)
+    params = SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
+    assert len(multi_turn_generate(engine, [prompt("ok", 0)], params, mt, lambda p: {"id": p.id})) == 1  # text: fine
+    with_image = prompt("q9", 1)
+    with_image.images = ["an image"]
+    with pytest.raises(ConfigError, match="^row id 'q9' has images: multi-turn rollouts of image prompts need rollout.engine: hf$"):
+        multi_turn_generate(engine, [with_image], params, mt, lambda p: {"id": p.id})
+
+
+def test_environment_reward_recipe_sums_the_turns():
+    from vlrft.experience.maker import completion_fields
+    from vlrft.rewards import resolve_recipe
+
+    rollout = Rollout(prompt("q1", 0), 0, [7], "done", False, trained=[1],
+                      turns=[{"action": "a", "observation": "o", "reward": 0.25}, {"action": "b", "observation": "", "reward": 1.0}])
+    single = Rollout(prompt("q2", 1), 1, [7], "done", False)
+    recipe = resolve_recipe("environment_reward")
+    assert recipe(["done", "done"], [completion_fields(rollout), completion_fields(single)]) == [1.25, 0.0]

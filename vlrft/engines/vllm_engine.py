@@ -90,6 +90,10 @@ def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids
 
 
 class VLLMEngine:
+    # Prompts with images go to vLLM as text (request_for), which a multi-turn continuation's
+    # token ids cannot be turned back into without re-tokenizing (vlrft/multiturn/rollout.py).
+    continues_image_prompts = False
+
     def __init__(
         self,
         model_path: str,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
+from vlrft.errors import ConfigError
 from vlrft.multiturn.environment import Environment, EnvironmentFailure, as_step, call_guarded
 from vlrft.multiturn.template import ObservationTemplate
 from vlrft.types import Prompt, Rollout
@@ -119,6 +120,10 @@ def multi_turn_generate(
     """params.n trajectories per prompt, grouped by prompt like `engine.generate`'s rollouts.
     Every rank runs the same number of generate calls (max_turns) so a TP engine's group stays
     together; a rank whose trajectories all ended sends none of its own."""
+    if not getattr(engine, "continues_image_prompts", True):
+        with_images = next((p for p in prompts if p.images or p.mm_inputs), None)
+        if with_images is not None:
+            raise ConfigError(f"row id {with_images.id!r} has images: multi-turn rollouts of image prompts need rollout.engine: hf")
     trajectories = [Trajectory(p, mt.make_environment()) for p in prompts for _ in range(params.n)]
     for t in trajectories:
         start(t, fields_of(t.prompt), mt.timeout_s)

@@ -28,6 +28,7 @@ BUILTIN_RECIPES = {
     "soft_overlong_penalty": "reward_recipes.overlong:soft_overlong_penalty",
     "repetition_penalty": "reward_recipes.repetition:repetition_penalty",
     "code_unit_tests": "reward_recipes.code:unit_tests",
+    "environment_reward": "reward_recipes.environment:environment_reward",
     "reward_model": "vlrft.rewards.reward_models:scalar_reward_model",
     "generative_judge": "vlrft.rewards.reward_models:generative_judge",
     "remote": "vlrft.rewards.remote:remote_reward",

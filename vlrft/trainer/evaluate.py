@@ -7,22 +7,21 @@ from collections import defaultdict
 import torch
 
 from vlrft.engines.base import RolloutEngine, SamplingParams
-from vlrft.experience.maker import completion_fields, sample_fields
-from vlrft.multiturn.rollout import MultiTurn, generate_rollouts
+from vlrft.experience.maker import MakerSettings, completion_fields, sample_fields
+from vlrft.multiturn.rollout import generate_rollouts
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_reduce_sum
 from vlrft.types import Prompt
 
 
 def evaluate(
-    engine: RolloutEngine, prompts: list[Prompt], rewards: RewardMix, max_new_tokens: int, sources: list[str],
-    multi_turn: MultiTurn | None = None,
+    engine: RolloutEngine, prompts: list[Prompt], rewards: RewardMix, settings: MakerSettings, sources: list[str]
 ) -> dict[str, float]:
     """`prompts` is this rank's shard; `sources` is the global, sorted list of data sources.
-    Multi-turn runs are evaluated with their environment, like their rollouts."""
-    params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=1.0, greedy=True)
+    Greedy, with the run's response length; multi-turn runs with their environment."""
+    params = SamplingParams(n=1, max_new_tokens=settings.sampling.max_new_tokens, temperature=1.0, greedy=True)
     # Called on every rank: a TP engine generates as a group.
-    rollouts = generate_rollouts(engine, prompts, params, multi_turn, sample_fields)
+    rollouts = generate_rollouts(engine, prompts, params, settings.multi_turn, sample_fields)
     scores = rewards.accuracy([r.response_text for r in rollouts], [completion_fields(r) for r in rollouts])
     per_source = defaultdict(lambda: [0.0, 0.0])
     for rollout, score in zip(rollouts, scores):

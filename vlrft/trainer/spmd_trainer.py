@@ -476,8 +476,7 @@ class SPMDTrainer:
             return
         if self.policy_ema is not None:  # evaluate the EMA policy, then restore the live one
             self.engine.update_weights(self.policy_ema.items())
-        metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.cfg.rollout.max_new_tokens, self.eval_sources,
-                           self.maker.settings.multi_turn)
+        metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.maker.settings, self.eval_sources)
         if self.policy_ema is not None:
             self.engine.update_weights(self.policy_weights())
         self.eval_history.append((step, metrics["eval/accuracy"]))

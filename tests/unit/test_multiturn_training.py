@@ -11,6 +11,7 @@ from tests.unit.test_logprob_consistency import SEVERAL_STEPS, build_trainer
 from vlrft.algo.advantages import discounted_returns, gae_advantages, token_rewards
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
+from vlrft.multiturn.environment import resolve_environment
 from vlrft.trainer.critic_update import critic_update
 from vlrft.trainer.update import policy_update
 
@@ -197,3 +198,36 @@ def test_multi_turn_keys_change_the_step(key, warm_text, addition_data, tmp_path
     assert not torch.allclose(changed, baseline, rtol=1e-3, atol=1e-7), key
     if key == "rollout.environment_timeout_s":
         assert changed_metrics["rollout/environment_failures"] == 12  # counted, and the step completed
+
+
+def doc_block(containing: str) -> str:
+    """The python block of docs/environments.md that contains `containing`, dedented."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "environments.md").read_text()
+    return next(textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if containing in b)
+
+
+def test_the_documented_environment_and_tool_run(warm_text, addition_data, tmp_path, world_of_one):
+    """docs/environments.md's worked example: its environment behaves as written and trains as
+    `rollout.environment: file.py:Class`; its tool answers through the `tools` environment."""
+    from vlrft.multiturn.tools import ToolEnvironment
+
+    (tmp_path / "guess.py").write_text(doc_block("class GuessTheNumber"))
+    (tmp_path / "letters.py").write_text(doc_block("def letters"))
+    env = resolve_environment(f"{tmp_path / 'guess.py'}:GuessTheNumber")()
+    env.reset({"answer": "7"})
+    assert env.step("<answer>5</answer>").observation == "higher" and env.step("9").observation == "lower"
+    last = env.step("It is 7.")
+    assert last.reward == 1.0 and last.done
+    tools = ToolEnvironment([f"{tmp_path / 'letters.py'}:letters"])
+    assert tools.step('<tool_call>{"name": "letters", "arguments": {"word": "tiny"}}</tool_call>').observation == "t i n y"
+    trainer = build_trainer(warm_text, addition_data, tmp_path, [
+        f"rollout.environment={tmp_path / 'guess.py'}:GuessTheNumber", "rollout.max_turns=3",
+        "rollout.max_new_tokens=12", "rollout.max_trajectory_tokens=80",
+        "reward.default=[{recipe: exact_match}, {recipe: environment_reward}]",
+    ])
+    metrics = trainer.train_step()
+    assert metrics["rollout/turns"] > 1.0 and metrics["rollout/environment_failures"] == 0

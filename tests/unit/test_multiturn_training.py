@@ -231,3 +231,18 @@ def test_the_documented_environment_and_tool_run(warm_text, addition_data, tmp_p
     ])
     metrics = trainer.train_step()
     assert metrics["rollout/turns"] > 1.0 and metrics["rollout/environment_failures"] == 0
+
+
+def test_saved_trajectories_carry_turns_and_the_trained_mask(made, tmp_path):
+    import json
+
+    from vlrft.trajectory.saver import TrajectorySaver
+
+    trainer, experiences, _ = made
+    path = TrajectorySaver(tmp_path, 0, trainer.encoder.tokenizer, 1).save(3, experiences, [0.0] * len(experiences))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record, e in zip(records, experiences):
+        assert record["trained"] == e.rollout.trained and len(record["trained"]) == len(record["response_tokens"])
+        assert [t["action"] for t in record["turns"]] == [t["action"] for t in e.rollout.turns]
+        trained = torch.tensor(e.rollout.trained, dtype=torch.bool)
+        assert record["advantage"] == pytest.approx(float(e.advantages[trained].mean()), abs=1e-4)

@@ -155,3 +155,26 @@ def test_histogram_counts_and_tick_numbers():
     assert {"0", "1", "2", "3", "4"} <= labels and {"h", "x", "count"} <= labels
     lines = parsed(line_chart({"a": [(0, 0), (10, 1)], "b": [(0, 1), (10, 0)]}, "two", "step", "v"))
     assert {"a", "b"} <= {t.text for t in lines.findall("text")}  # the legend
+
+
+def test_multi_turn_records_show_turns_and_observations(tmp_path):
+    """A multi-turn record: its observation tokens are marked and never counted as entropy
+    (their 9.0 would be the step's peak), and its card names the turns and their failures."""
+    import json
+
+    from tests.report_fixtures import record
+
+    tokens = ["<tool_call>", "17*23", "</tool_call>", "<|im_end|>", "\n<|im_start|>tool\n", "391", "<answer>391</answer>"]
+    multi = record(1, 0, 0, "maths", 1.0, 1, "<answer>391</answer>", [], tokens, [0.5, 0.6, 0.1, 0.2, 9.0, 9.0, 0.3])
+    multi |= {"trained": [1, 1, 1, 1, 0, 0, 1],
+              "turns": [{"action": "<tool_call>17*23</tool_call>", "observation": "391", "reward": 0.25},
+                        {"action": "<answer>391</answer>", "observation": "", "reward": 0.5, "error": "step raised KeyError: 'x'"}]}
+    single = record(1, 0, 0, "maths", 0.0, 0, "392", [])
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "step_000001.rank0.jsonl").write_text(json.dumps(multi) + "\n" + json.dumps(single) + "\n")
+    html_path, summary_path = write_report(tmp_path)
+    page, summary = html_path.read_text(), json.loads(summary_path.read_text())
+    assert page.count('<span class="obs" title="observation (not trained)">') == 2
+    assert "turns <b>2</b>" in page and "environment reward <b>0.75</b>" in page
+    assert "turn 2 error <b>step raised KeyError: &#x27;x&#x27;</b>" in page
+    assert summary["overall"]["entropy/max"] == 0.6 and summary["steps"]["1"]["entropy/max"] == 0.6

@@ -66,7 +66,7 @@ def trajectory_metrics(experiences: list[Experience]) -> dict[str, float]:
     rows = response_rows(experiences, sources, components)
     width = rows.shape[1]
     rows = all_gather_1d(rows.flatten()).view(-1, width)
-    entropies = [torch.as_tensor(e.entropy, dtype=torch.float32).flatten()
+    entropies = [torch.as_tensor(e.entropy, dtype=torch.float32).flatten()[e.rollout.trained_mask().bool()]  # generated tokens
                  for e in experiences if e.entropy is not None and math.isfinite(e.reward)]  # as records_of_rows keeps
     entropy = torch.cat(entropies) if entropies else torch.zeros(0)
     entropy = all_gather_1d(entropy[torch.isfinite(entropy)])

@@ -77,6 +77,13 @@ def text_numbers(record: dict) -> tuple[float, int]:
     return repetition_score(text), sum(reflection_counts(text).values())
 
 
+def generated_entropies(record: dict) -> list:
+    """The record's per-token entropies of the tokens the policy generated (a multi-turn
+    record's `trained` marks them; its observation tokens are left out)."""
+    entropy, trained = record.get("entropy") or [], record.get("trained")
+    return entropy if trained is None else [h for h, k in zip(entropy, trained) if k]
+
+
 def summarise(records: list[dict], token_entropies=None) -> dict[str, float]:
     """Flat statistics of a set of records (one step, or a whole run), keyed for metric sinks.
     `token_entropies` (a tensor of every token's finite entropy) stands in for the records'
@@ -109,6 +116,6 @@ def summarise(records: list[dict], token_entropies=None) -> dict[str, float]:
         [r["reward"] for r in records], [r["group_id"] for r in records]
     )
     if token_entropies is None:
-        token_entropies = [h for r in records for h in (r.get("entropy") or []) if h is not None]  # None: non-finite
+        token_entropies = [h for r in records for h in generated_entropies(r) if h is not None]  # None: non-finite
     out |= {f"entropy/{k}": v for k, v in distribution(token_entropies).items() if k in ("mean", "p90", "max")}
     return out

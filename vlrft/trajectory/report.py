@@ -66,6 +66,7 @@ pre { font: 12.5px/1.5 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospac
       max-height: 420px; overflow-y: auto; }
 pre.response { background: #f7f7f2; }
 pre.response span.hot, .legend-hot { background: var(--hot); border-radius: 2px; }
+pre.response span.obs { color: #5a6b85; background: #e8eef8; }
 .legend-hot { padding: 0 4px; }
 .muted { color: var(--muted); }
 """
@@ -253,12 +254,21 @@ def image_data_uri(path: Path, cache: dict[Path, str | None]) -> str | None:
 
 def response_html(record: dict, hot_threshold: float | None) -> str:
     """The response token by token with entropies as tooltips, tokens above `hot_threshold`
-    highlighted; the plain text when the record has no per-token entropy."""
-    tokens, entropy = record.get("response_tokens"), record["entropy"]
-    if not tokens or not entropy or len(tokens) != len(entropy) or hot_threshold is None:
+    highlighted, and a multi-turn record's observation tokens marked as such; the plain text
+    when the record has neither per-token entropies nor turns."""
+    tokens, entropy, trained = record.get("response_tokens"), record["entropy"], record.get("trained")
+    scored = bool(tokens) and bool(entropy) and len(tokens) == len(entropy) and hot_threshold is not None
+    if not tokens or (not scored and trained is None):
         return esc(record["response_text"])
-    return "".join(f'<span{HOT_CLASS if h > hot_threshold else ""} title="entropy {h:.3g}">{esc(t)}</span>'
-                   for t, h in zip(tokens, entropy))
+    spans = []
+    for i, token in enumerate(tokens):
+        if trained is not None and not trained[i]:
+            spans.append(f'<span class="obs" title="observation (not trained)">{esc(token)}</span>')
+        elif scored and entropy[i] is not None:
+            spans.append(f'<span{HOT_CLASS if entropy[i] > hot_threshold else ""} title="entropy {entropy[i]:.3g}">{esc(token)}</span>')
+        else:
+            spans.append(esc(token))
+    return "".join(spans)
 
 
 def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: float | None,
@@ -267,6 +277,10 @@ def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: f
     components = ", ".join(f"{esc(name)} <b>{esc(number(v))}</b>" for name, v in sorted(record["components"].items()))
     facts = {"advantage": number(record["advantage"]), "length": number(record["response_length"]),
              "truncated": number(bool(record["truncated"])), "correct": number(record["correct"])}
+    if "turns" in record:  # multi-turn: the turn count, the environment's rewards and failures
+        turns = record["turns"]
+        facts |= {"turns": str(len(turns)), "environment reward": number(sum(t["reward"] for t in turns))}
+        facts |= {f"turn {i + 1} error": t["error"] for i, t in enumerate(turns) if "error" in t}
     fact_html = " · ".join(f"{k} <b>{esc(v)}</b>" for k, v in facts.items())
     images = []
     for relative in record["images"]:

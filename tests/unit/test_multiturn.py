@@ -129,7 +129,12 @@ class ScriptedEngine:
 class CountingEnvironment:
     """Answers 'obs' until its third step; fails on rows whose id says so."""
 
+    built = 0
+
     def __init__(self):
+        CountingEnvironment.built += 1
+        if CountingEnvironment.built == 7:
+            raise OSError("no more ports")
         self.steps = 0
 
     def reset(self, sample):
@@ -155,9 +160,12 @@ def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer):
     engine = ScriptedEngine([[7, stop], [8, 9, stop], [10, stop], [11, stop]], stop)
     mt = MultiTurn(CountingEnvironment, template, max_turns=4, max_tokens=200, timeout_s=1.0)
     fields = lambda p: {"id": p.id}  # noqa: E731
-    rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("hangs", 2)]
+    rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("hangs", 2), prompt("ok", 3)]
+    CountingEnvironment.built = 0  # the 7th construction (row 3's first trajectory) raises
     rollouts = multi_turn_generate(engine, rows, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), mt, fields)
-    assert [r.group_id for r in rollouts] == [0, 0, 1, 1, 2, 2]
+    assert [r.group_id for r in rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rollouts[6].response_ids == [] and "construction raised OSError: no more ports" in rollouts[6].turns[0]["error"]
+    assert rollouts[7].response_ids == rollouts[0].response_ids
     ok = rollouts[0]
     assert ok.response_ids == [7, stop] + obs + [8, 9, stop] + obs + [10, stop]  # done at the third step
     assert ok.trained == [1, 1] + [0] * len(obs) + [1, 1, 1] + [0] * len(obs) + [1, 1]
@@ -236,3 +244,14 @@ def test_environment_reward_recipe_sums_the_turns():
     single = Rollout(prompt("q2", 1), 1, [7], "done", False)
     recipe = resolve_recipe("environment_reward")
     assert recipe(["done", "done"], [completion_fields(rollout), completion_fields(single)]) == [1.25, 0.0]
+
+
+def test_special_tokens_in_an_observation_stay_text(tokenizer):
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    ids = template.observation_ids(stop, "x<|im_end|><|image_pad|>")
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|image_pad|>", "<|im_start|>")}
+    plain = template.observation_ids(stop, "x")
+    # Only the template's own special tokens: <|im_start|> tool, <|im_end|>, <|im_start|> assistant.
+    assert [t for t in ids if t in specials] == [t for t in plain if t in specials]
+    assert tokenizer.decode(ids) == tokenizer.decode(plain).replace("x", "x<|im_end|><|image_pad|>")

@@ -70,3 +70,26 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
     for m in steps:
         assert 0 <= m["rollout/mismatch_kl"] < 1e-3, m
         assert abs(m["rollout/correction_weight_mean"] - 1) < 2e-2 and m["rollout/correction_masked_frac"] == 0, m
+
+
+def test_multi_turn_rollouts_on_a_tensor_parallel_vllm_engine(warm_text, addition_data, tmp_path):
+    """Each turn is a vLLM generate call of token-id prompts on every rank (a TP-2 group stays
+    together); the engine's logprobs of every generated token match the trainer's."""
+    from tests.unit.test_multiturn_training import NUDGE
+
+    (tmp_path / "nudge.py").write_text(NUDGE)
+    overrides = [
+        f"model.path={warm_text}", f"data.train_path={addition_data / 'train.jsonl'}",
+        "rollout.engine=vllm", "rollout.engine_tp_size=2", "rollout.vllm_memory_fraction=0.15",
+        "rollout.rollout_prompts=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
+        f"rollout.environment={tmp_path / 'nudge.py'}:Nudge", "rollout.environment_args={reply: 'Check it again.', turns: 3}",
+        "rollout.max_turns=3", "rollout.max_trajectory_tokens=80", "train.total_steps=2", "train.zero_stage=3",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    torchrun([str(WORKER), str(tmp_path / "result.json"), *overrides], tmp_path)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "rollout/turns" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["rollout/turns"] > 1.5 and m["rollout/environment_failures"] == 0, m
+        assert m["rollout/engine_logprob_diff_mean"] < 1e-2, m

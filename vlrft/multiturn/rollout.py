@@ -70,9 +70,14 @@ class Trajectory:
         )
 
 
-def start(trajectory: Trajectory, fields: dict, timeout_s: float) -> None:
+def start(trajectory: Trajectory, mt: MultiTurn, fields: dict) -> None:
+    """A fresh environment for the trajectory, reset to its row; a failure ends it unstarted."""
     try:
-        call_guarded(trajectory.environment.reset, fields, timeout_s=timeout_s)
+        trajectory.environment = call_guarded(mt.make_environment, timeout_s=mt.timeout_s)
+    except EnvironmentFailure as failure:
+        return fail(trajectory, f"construction {failure}")
+    try:
+        call_guarded(trajectory.environment.reset, fields, timeout_s=mt.timeout_s)
     except EnvironmentFailure as failure:
         fail(trajectory, f"reset {failure}")
 
@@ -124,9 +129,9 @@ def multi_turn_generate(
         with_images = next((p for p in prompts if p.images or p.mm_inputs), None)
         if with_images is not None:
             raise ConfigError(f"row id {with_images.id!r} has images: multi-turn rollouts of image prompts need rollout.engine: hf")
-    trajectories = [Trajectory(p, mt.make_environment()) for p in prompts for _ in range(params.n)]
+    trajectories = [Trajectory(p, None) for p in prompts for _ in range(params.n)]
     for t in trajectories:
-        start(t, fields_of(t.prompt), mt.timeout_s)
+        start(t, mt, fields_of(t.prompt))
     for turn in range(mt.max_turns):
         running = [t for t in trajectories if not t.done]
         turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))

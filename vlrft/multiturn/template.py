@@ -25,15 +25,22 @@ class ObservationTemplate:
     tokenizer: object
     glue: dict[int, str]  # stop token id -> the text the template puts between it and an observation
     suffix: str  # after the observation, up to and including the next assistant turn's header
+    special_tokens: list[str]  # the tokenizer's special tokens (<|im_end|>, <|image_pad|>, ...)
 
     def observation_ids(self, stop_id: int, text: str) -> list[int] | None:
         """Token ids that follow a turn ending in `stop_id`: the observation wrapped as the
         template wraps it, ending where the next assistant turn starts. None when the turn
         ended in a stop token that is not the template's end of turn (the policy ended the
-        conversation)."""
+        conversation). Special-token text inside an observation stays text: an environment
+        (or a tool echoing its input) cannot end a turn or inject an image placeholder."""
         if stop_id not in self.glue:
             return None
-        return self.tokenizer.encode(self.glue[stop_id] + text + self.suffix, add_special_tokens=False)
+        encode = self.tokenizer.encode
+        if not any(special in text for special in self.special_tokens):
+            return encode(self.glue[stop_id] + text + self.suffix, add_special_tokens=False)
+        return (encode(self.glue[stop_id], add_special_tokens=False)
+                + encode(text, add_special_tokens=False, split_special_tokens=True)
+                + encode(self.suffix, add_special_tokens=False))
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
@@ -62,4 +69,5 @@ def observation_template(tokenizer, stop_ids: list[int], role: str, model: str) 
             glue[stop] = between[len(stop_text) :]
     if not glue:
         raise ConfigError(f"the chat template of {model} does not end an assistant turn with a stop token ({between[:40]!r})")
-    return ObservationTemplate(tokenizer, glue, suffix)
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    return ObservationTemplate(tokenizer, glue, suffix, specials)

@@ -23,37 +23,36 @@ def tiny_text(tmp_path_factory):
     return str(build_text_model(tmp_path_factory.mktemp("tiny_text"), warmup_steps=0))
 
 
+def one_thread_build(build, out_dir, warmup_steps: int) -> str:
+    """A warmed tiny model built on one thread, as the make_tiny_model CLI does (same weights
+    every run, no thread spinning)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return str(build(out_dir, warmup_steps=warmup_steps))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def warm_text(tmp_path_factory):
     """A briefly format-warmed tiny text model (~4 s): it answers "<answer>N</answer>" or
     "</answer>", so the judge's parse sees both numbers and no number (the untrained
     tiny_text only emits newlines -> always None)."""
-    import torch
-
     from data_tools.make_tiny_model import build_text_model
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the make_tiny_model CLI: same weights every run, no thread spinning
-    try:
-        return str(build_text_model(tmp_path_factory.mktemp("warm_text"), warmup_steps=30))
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_build(build_text_model, tmp_path_factory.mktemp("warm_text"), 30)
 
 
 @pytest.fixture(scope="session")
 def warm_vl(tmp_path_factory):
     """A briefly warmed tiny VL model (~10 s): it answers "<answer>colour</answer>" and stops, so
     multi-turn rollouts get past their first turn."""
-    import torch
-
     from data_tools.make_tiny_model import build_vl_model
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return str(build_vl_model(tmp_path_factory.mktemp("warm_vl"), warmup_steps=30))
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_build(build_vl_model, tmp_path_factory.mktemp("warm_vl"), 30)
 
 
 @pytest.fixture(scope="session")

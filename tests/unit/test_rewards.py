@@ -40,7 +40,7 @@ def test_mix_per_data_source_with_weights_and_components(tmp_path):
 
 
 def test_unknown_recipe_lists_builtins():
-    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; available: answer_format, code_unit_tests, counting, exact_match, "):
+    with pytest.raises(ConfigError, match="unknown reward recipe .exactmatch.; available: answer_format, code_unit_tests, counting, environment_reward, exact_match, "):
         resolve_recipe("exactmatch")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_recipe("no_such_pkg.mod:fn")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
 from vlrft.errors import ConfigError
 from vlrft.registry import load_callable
+from vlrft.rewards.guard import call_in_thread, failure_text
 
 ENTRY_POINT_GROUP = "vlrft.environments"
 BUILTIN_ENVIRONMENTS = {"tools": "vlrft.multiturn.tools:ToolEnvironment"}
@@ -90,23 +90,11 @@ def as_step(answer: Any) -> Step:
 
 
 def call_guarded(fn: Callable, *args, timeout_s: float) -> Any:
-    """fn(*args) in a daemon thread with a wall-clock timeout; anything it raises, or a call that
-    outlives the timeout (abandoned: a thread cannot be killed), is an EnvironmentFailure."""
-    outcome: dict = {}
-
-    def work() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - anything an environment raises is its failure
-            outcome["error"] = err
-
-    worker = threading.Thread(target=work, daemon=True, name="vlrft-environment")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise EnvironmentFailure(f"timed out after {timeout_s:g}s")
-    if "error" in outcome:
-        err = outcome["error"]
-        message = " ".join(str(err).split())[:200]
-        raise EnvironmentFailure(f"raised {type(err).__name__}: {message}")
-    return outcome.get("value")
+    """fn(*args) in a daemon thread with a wall-clock timeout (vlrft.rewards.guard, as reward
+    recipes are called); anything it raises, or a call that outlives the timeout (abandoned:
+    counted in `reward/abandoned_calls`), is an EnvironmentFailure."""
+    outcome = call_in_thread(lambda: fn(*args), timeout_s, "vlrft-environment")
+    problem = failure_text(outcome, timeout_s)
+    if problem is not None:
+        raise EnvironmentFailure(problem)
+    return outcome["value"]

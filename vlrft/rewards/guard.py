@@ -26,28 +26,45 @@ def abandoned_calls() -> int:
     return _abandoned
 
 
-def call_recipe(fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float) -> list:
-    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list."""
+def call_in_thread(fn: Callable, timeout_s: float, name: str) -> dict | None:
+    """fn() in a daemon thread: {"value": result} or {"error": what it raised}, or None when it
+    outlived `timeout_s` (abandoned: a thread cannot be killed; counted in abandoned_calls)."""
     outcome: dict = {}
 
     def work() -> None:
         try:
-            outcome["scores"] = fn(completions, samples, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - anything a recipe raises is its failure
+            outcome["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - anything the call raises is its failure
             outcome["error"] = err
 
-    worker = threading.Thread(target=work, daemon=True, name="vlrft-recipe")
+    worker = threading.Thread(target=work, daemon=True, name=name)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
         global _abandoned
         with _lock:
             _abandoned += 1
-        raise RecipeFailure(f"timed out after {timeout_s:g}s")
+        return None
+    return outcome
+
+
+def failure_text(outcome: dict | None, timeout_s: float) -> str | None:
+    """One line saying why a `call_in_thread` call failed, or None when it returned."""
+    if outcome is None:
+        return f"timed out after {timeout_s:g}s"
     if "error" in outcome:
         err = outcome["error"]
-        raise RecipeFailure(f"raised {type(err).__name__}: {_one_line(str(err))}")
-    return check_scores(outcome["scores"], len(completions))
+        return f"raised {type(err).__name__}: {_one_line(str(err))}"
+    return None
+
+
+def call_recipe(fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float) -> list:
+    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list."""
+    outcome = call_in_thread(lambda: fn(completions, samples, **kwargs), timeout_s, "vlrft-recipe")
+    problem = failure_text(outcome, timeout_s)
+    if problem is not None:
+        raise RecipeFailure(problem)
+    return check_scores(outcome["value"], len(completions))
 
 
 def check_scores(scores, count: int) -> list:

@@ -168,6 +168,7 @@ def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer):
     assert rollouts[7].response_ids == rollouts[0].response_ids
     ok = rollouts[0]
     assert ok.response_ids == [7, stop] + obs + [8, 9, stop] + obs + [10, stop]  # done at the third step
+    assert [t["last_token"] for t in ok.turns] == [1, len(obs) + 4, 2 * len(obs) + 6]
     assert ok.trained == [1, 1] + [0] * len(obs) + [1, 1, 1] + [0] * len(obs) + [1, 1]
     assert ok.logprobs == [-0.5, -0.5] + [0.0] * len(obs) + [-0.5] * 3 + [0.0] * len(obs) + [-0.5] * 2
     assert [t["reward"] for t in ok.turns] == [0.25] * 3 and ok.response_text == "turn 3"
@@ -239,11 +240,14 @@ def test_environment_reward_recipe_sums_the_turns():
     from vlrft.experience.maker import completion_fields
     from vlrft.rewards import resolve_recipe
 
-    rollout = Rollout(prompt("q1", 0), 0, [7], "done", False, trained=[1],
-                      turns=[{"action": "a", "observation": "o", "reward": 0.25}, {"action": "b", "observation": "", "reward": 1.0}])
+    rollout = Rollout(prompt("q1", 0), 0, [7, 8, 9, 9, 10], "done", False, trained=[1, 1, 0, 0, 1],
+                      turns=[{"action": "a", "observation": "o", "reward": 0.25, "last_token": 1},
+                             {"action": "b", "observation": "", "reward": 1.0, "last_token": 4}])
     single = Rollout(prompt("q2", 1), 1, [7], "done", False)
     recipe = resolve_recipe("environment_reward")
-    assert recipe(["done", "done"], [completion_fields(rollout), completion_fields(single)]) == [1.25, 0.0]
+    samples = [completion_fields(rollout), completion_fields(single)]
+    assert recipe(["done", "done"], samples) == [1.25, 0.0]
+    assert recipe(["done", "done"], samples, per_turn=True) == [[0, 0.25, 0, 0, 1.0], [0.0]]
 
 
 def test_special_tokens_in_an_observation_stay_text(tokenizer):

@@ -95,7 +95,8 @@ def fail(trajectory: Trajectory, message: str) -> None:
 def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_tokens: int, last_turn: bool) -> None:
     """Record a generated turn, then let the environment answer it (unless the trajectory ends)."""
     trajectory.add(action.response_ids, action.logprobs, trained=1)
-    turn = {"action": action.response_text, "observation": "", "reward": 0.0}
+    # last_token: the turn's last generated token in the response (where a per-turn reward goes)
+    turn = {"action": action.response_text, "observation": "", "reward": 0.0, "last_token": len(trajectory.ids) - 1}
     trajectory.turns.append(turn)
     trajectory.truncated = action.truncated
     if action.truncated or not action.response_ids:

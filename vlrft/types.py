@@ -47,6 +47,29 @@ class Rollout:
     # them) but are out of every loss, advantage and rollout metric. None: all generated.
     trained: list[int] | None = None
     turns: list[dict] = field(default_factory=list)  # multi-turn: one {"action", "observation", "reward"} per turn
+    # Multi-turn: the images the environment showed (PIL, in order), their pixel inputs, and the
+    # response's per-token modality ids (as Prompt.mm_token_types); empty when none was shown.
+    observation_images: list = field(default_factory=list)
+    observation_mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    response_mm_token_types: list[int] = field(default_factory=list)
+    # M-RoPE ids of the whole sequence when observations hold images ([3, 1, P + R]), filled on
+    # first use (models/packing.position_ids)
+    rope_positions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def mm_inputs(self) -> dict[str, torch.Tensor]:
+        """The pixel inputs of the whole sequence: the prompt's, then the observations'."""
+        if not self.observation_mm_inputs:
+            return self.prompt.mm_inputs
+        parts = (self.prompt.mm_inputs, self.observation_mm_inputs)
+        keys = sorted({k for part in parts for k in part})
+        return {k: torch.cat([part[k] for part in parts if k in part]) for k in keys}
+
+    def mm_token_types(self) -> list[int]:
+        """Per token of prompt + response: 0 text, 1 image, 2 video; [] for text-only models."""
+        if not self.prompt.mm_token_types and not self.response_mm_token_types:
+            return []
+        prompt = self.prompt.mm_token_types or [0] * len(self.prompt.prompt_ids)
+        return prompt + (self.response_mm_token_types or [0] * len(self.response_ids))
 
     def trained_mask(self) -> torch.Tensor:
         """[R] float: 1 on the tokens the policy generated (the ones that are trained)."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from vlrft.data.encoding import PromptEncoder
 from vlrft.errors import ConfigError
 from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, call_guarded, resolve_environment
 from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate
@@ -56,6 +57,18 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer
     finally:
         tokenizer.chat_template = original
     assert "\n" not in str(err.value) and "my-model" in str(err.value)
+
+
+def test_a_template_without_image_parts_has_none(tokenizer):
+    plain = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    original, tokenizer.chat_template = tokenizer.chat_template, plain
+    try:
+        template = observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "plain")
+    finally:
+        tokenizer.chat_template = original
+    assert template.image_part is None and template.glue == {end_of_turn(tokenizer): "\n<|im_start|>tool\n"}
+    assert observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "tiny").image_part == "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def test_tool_calls_are_parsed_and_answered():
@@ -214,13 +227,14 @@ def test_environment_args_reach_the_environment_and_bad_ones_fail_at_start(tiny_
 
     base = [f"model.path={tiny_text}", f"data.train_path={addition_data / 'train.jsonl'}", "rollout.environment=tools"]
     stop = [end_of_turn(tokenizer)]
-    assert multi_turn(load_config(None, base[:2]), tokenizer, stop) is None  # no environment: one turn
-    mt = multi_turn(load_config(None, base + ["rollout.environment_args={tools: [python], max_result_chars: 3}"]), tokenizer, stop)
+    encoder = PromptEncoder.for_config(load_config(None, base[:2]))
+    assert multi_turn(load_config(None, base[:2]), encoder, stop) is None  # no environment: one turn
+    mt = multi_turn(load_config(None, base + ["rollout.environment_args={tools: [python], max_result_chars: 3}"]), encoder, stop)
     env = mt.make_environment()
     assert list(env.tools) == ["python"] and env.max_result_chars == 3
     assert mt.template.glue == {stop[0]: "\n<|im_start|>tool\n"}  # the tools environment answers as role "tool"
     with pytest.raises(ConfigError, match="environment 'tools' could not be built from rollout.environment_args: .*colour"):
-        multi_turn(load_config(None, base + ["rollout.environment_args={colour: red}"]), tokenizer, stop)
+        multi_turn(load_config(None, base + ["rollout.environment_args={colour: red}"]), encoder, stop)
 
 
 def test_an_engine_that_cannot_continue_image_prompts_refuses_them_in_one_line(tokenizer):
@@ -259,3 +273,50 @@ def test_special_tokens_in_an_observation_stay_text(tokenizer):
     # Only the template's own special tokens: <|im_start|> tool, <|im_end|>, <|im_start|> assistant.
     assert [t for t in ids if t in specials] == [t for t in plain if t in specials]
     assert tokenizer.decode(ids) == tokenizer.decode(plain).replace("x", "x<|im_end|><|image_pad|>")
+
+
+class ShowingEnvironment:
+    """Answers every turn with "look" and the images it was given."""
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    def reset(self, sample):
+        pass
+
+    def step(self, action):
+        return Step("look", 0.0, False, self.shown)
+
+
+def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_text, tokenizer, tmp_path):
+    """Each image an environment shows (PIL or a path) becomes the template's image part with
+    one pad per merged patch, its pixel inputs and modality ids; the next turn's prompt holds
+    them. An unusable image is a counted failure; images for a text model, one line."""
+    from PIL import Image
+
+    vl = PromptEncoder(tiny_vl, min_pixels=784, max_pixels=28 * 28 * 16, max_prompt_tokens=512)
+    stop = end_of_turn(vl.tokenizer)
+    template = observation_template(vl.tokenizer, [stop], "tool", "tiny-vl")
+    assert template.image_part == "<|vision_start|><|image_pad|><|vision_end|>"
+    Image.new("RGB", (28, 56), "blue").save(tmp_path / "tall.png")
+    shown = [Image.new("RGB", (56, 28), "red"), str(tmp_path / "tall.png")]
+    engine = ScriptedEngine([[7, stop], [8, stop]], stop)
+    params = SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
+    mt = MultiTurn(lambda: ShowingEnvironment(shown), template, 2, 300, 1.0, vl)
+    r = multi_turn_generate(engine, [prompt("q", 0)], params, mt, lambda p: {"id": p.id})[0]
+    pad, start, end = vl.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    parts = [start, pad, pad, end] * 2  # 2 x 4 and 4 x 2 patches: two merged tokens each
+    observation = template.observation_ids(stop, "look", vl.tokenizer.decode(parts))
+    assert r.response_ids == [7, stop] + observation + [8, stop] and parts == [t for t in observation if t in (pad, start, end)]
+    assert r.observation_mm_inputs["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 2]]
+    assert r.observation_images[0].size == (56, 28) and r.turns[0]["images"] == 2
+    assert r.response_mm_token_types == [1 if t == pad else 0 for t in r.response_ids]
+    assert r.mm_token_types() == [0, 0, 0] + r.response_mm_token_types
+    assert engine.calls[1][0] == [1, 2, 3, 7, stop] + observation
+    broken = MultiTurn(lambda: ShowingEnvironment([str(tmp_path / "missing.png")]), template, 2, 300, 1.0, vl)
+    r = multi_turn_generate(ScriptedEngine([[7, stop]] * 2, stop), [prompt("q", 0)], params, broken, lambda p: {})[0]
+    assert r.response_ids == [7, stop] and "showed an image that cannot be used" in r.turns[0]["error"]
+    text = PromptEncoder(tiny_text, 784, 28 * 28 * 16, 512)
+    blind = MultiTurn(lambda: ShowingEnvironment(shown), observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "t"), 2, 300, 1.0, text)
+    with pytest.raises(ConfigError, match="^the environment showed images on row 'q': images in observations need a vision-language"):
+        multi_turn_generate(ScriptedEngine([[7, end_of_turn(tokenizer)]] * 2, stop), [prompt("q", 0)], params, blind, lambda p: {})

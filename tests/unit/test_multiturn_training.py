@@ -18,16 +18,19 @@ from vlrft.trainer.update import policy_update
 NUDGE = '''
 import time
 
+from PIL import Image
+
 from vlrft.multiturn.environment import Step
 
 
 class Nudge:
-    """Answers every turn with the same reply; the trajectory ends after `turns` steps."""
+    """Answers every turn with the same reply (after an image of `image` pixels whose colour
+    depends on the turn, when given); the trajectory ends after `turns` steps."""
 
     observation_role = "user"
 
-    def __init__(self, reply, turns, delay=0.0):
-        self.reply, self.turns, self.delay = reply, turns, delay
+    def __init__(self, reply, turns, delay=0.0, image=None):
+        self.reply, self.turns, self.delay, self.image = reply, turns, delay, image
 
     def reset(self, sample):
         self.steps = 0
@@ -35,7 +38,8 @@ class Nudge:
     def step(self, action):
         time.sleep(self.delay if self.steps == 0 else 0.0)
         self.steps += 1
-        return Step(self.reply, 0.5 if "1" in action else 0.0, self.steps >= self.turns)
+        images = [Image.new("RGB", tuple(self.image), (60 * self.steps, 200, 40))] if self.image else []
+        return Step(self.reply, 0.5 if "1" in action else 0.0, self.steps >= self.turns, images)
 '''
 
 
@@ -50,10 +54,11 @@ def build(model, data, tmp_path, extra=()):
 
 @pytest.fixture(scope="module", params=["text", "image"])
 def made(request, warm_text, warm_vl, addition_data, colour_data, tmp_path_factory, world_of_one):
-    """A multi-turn batch: text prompts, or image prompts (the HF engine continues them with
-    their pixels and M-RoPE positions)."""
+    """A multi-turn batch: text prompts, or image prompts whose observations show an image too
+    (the HF engine continues them with every image's pixels and M-RoPE positions)."""
     model, data = (warm_text, addition_data) if request.param == "text" else (warm_vl, colour_data)
-    trainer = build(model, data, tmp_path_factory.mktemp("multiturn"))
+    image = [] if request.param == "text" else ["rollout.environment_args={reply: 'Check it again.', turns: 3, image: [56, 84]}"]
+    trainer = build(model, data, tmp_path_factory.mktemp("multiturn"), image)
     torch.manual_seed(0)
     prompts = [trainer.encoder.encode(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
     experiences, metrics = trainer.maker.make(prompts)
@@ -74,6 +79,42 @@ def test_multi_turn_experiences(made):
         out = torch.tensor(trained) == 0
         assert (e.advantages[out] == 0).all() and (e.returns[out] == 0).all()
         assert e.reward_components is not None
+
+
+def test_observation_images_enter_the_sequence_with_their_pixels(made):
+    """Each image an observation showed is in the response as one image pad per merged patch
+    (inside the template's image part), with its pixel inputs and modality ids."""
+    trainer, experiences, _ = made
+    if trainer.encoder.image_processor is None:
+        assert not any(e.rollout.observation_images for e in experiences)
+        return
+    tokenizer = trainer.encoder.tokenizer
+    pad, start = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>"])
+    shown = [e for e in experiences if e.rollout.observation_images]
+    assert shown
+    for e in shown:
+        r = e.rollout
+        images = sum(turn.get("images", 0) for turn in r.turns)
+        assert len(r.observation_images) == images == r.response_ids.count(start) == len(r.observation_mm_inputs["image_grid_thw"])
+        assert r.observation_mm_inputs["image_grid_thw"].tolist() == [[1, 6, 4]] * images  # 84 high x 56 wide, 14-pixel patches
+        assert r.response_ids.count(pad) == 6 * images  # 6 x 4 patches, 2 x 2 merged per token
+        assert r.response_mm_token_types == [1 if t == pad else 0 for t in r.response_ids]
+        assert all(k == 0 for k, t in zip(r.trained, r.response_ids) if t in (pad, start))
+        assert r.mm_inputs()["pixel_values"].shape[0] == r.prompt.mm_inputs["pixel_values"].shape[0] + 24 * images
+    assert trainer.maker.settings.image_check.first_problem(experiences) is None
+
+
+def test_packed_forward_positions_equal_the_models_own(made):
+    """The trainer's packed positions (M-RoPE over the whole sequence when observations hold
+    images) equal what the model numbers itself from a padded batch's modality ids."""
+    from vlrft.models.collate import collate
+
+    trainer, experiences, _ = made
+    with torch.no_grad():
+        for e in experiences[:4]:
+            batch = collate([e], trainer.encoder.tokenizer.pad_token_id)
+            logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
+            torch.testing.assert_close(gather_responses(batch, logp)[0], e.old_logprobs, rtol=0, atol=1e-5)
 
 
 def test_maker_logprobs_equal_the_engine_and_the_trainer_forward(made):
@@ -246,3 +287,6 @@ def test_saved_trajectories_carry_turns_and_the_trained_mask(made, tmp_path):
         assert [t["action"] for t in record["turns"]] == [t["action"] for t in e.rollout.turns]
         trained = torch.tensor(e.rollout.trained, dtype=torch.bool)
         assert record["advantage"] == pytest.approx(float(e.advantages[trained].mean()), abs=1e-4)
+        shown = record.get("observation_images", [])
+        assert len(shown) == len(e.rollout.observation_images) and all((path.parent / p).is_file() for p in shown)
+    assert any("observation_images" in r for r in records) == (trainer.encoder.image_processor is not None)

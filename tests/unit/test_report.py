@@ -8,6 +8,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from PIL import Image
 
 from tests.report_fixtures import ALERT, ALERT_PEAK_ENTROPY, write_fake_run
 from vlrft.cli import main
@@ -168,13 +169,16 @@ def test_multi_turn_records_show_turns_and_observations(tmp_path):
     multi = record(1, 0, 0, "maths", 1.0, 1, "<answer>391</answer>", [], tokens, [0.5, 0.6, 0.1, 0.2, 9.0, 9.0, 0.3])
     multi |= {"trained": [1, 1, 1, 1, 0, 0, 1],
               "turns": [{"action": "<tool_call>17*23</tool_call>", "observation": "391", "reward": 0.25},
-                        {"action": "<answer>391</answer>", "observation": "", "reward": 0.5, "error": "step raised KeyError: 'x'"}]}
+                        {"action": "<answer>391</answer>", "observation": "", "reward": 0.5, "error": "step raised KeyError: 'x'"}],
+              "observation_images": ["images/shown.png"]}
     single = record(1, 0, 0, "maths", 0.0, 0, "392", [])
-    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "images").mkdir(parents=True)
+    Image.new("RGB", (4, 4), (0, 90, 200)).save(tmp_path / "trajectories" / "images" / "shown.png")
     (tmp_path / "trajectories" / "step_000001.rank0.jsonl").write_text(json.dumps(multi) + "\n" + json.dumps(single) + "\n")
     html_path, summary_path = write_report(tmp_path)
     page, summary = html_path.read_text(), json.loads(summary_path.read_text())
     assert page.count('<span class="obs" title="observation (not trained)">') == 2
     assert "turns <b>2</b>" in page and "environment reward <b>0.75</b>" in page
     assert "turn 2 error <b>step raised KeyError: &#x27;x&#x27;</b>" in page
+    assert page.count('title="shown by the environment: images/shown.png"') == 1 and "data:image/png;base64," in page
     assert summary["overall"]["entropy/max"] == 0.6 and summary["steps"]["1"]["entropy/max"] == 0.6

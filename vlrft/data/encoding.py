@@ -146,21 +146,11 @@ class PromptEncoder:
         where = f"row id {row['id']!r}"
         messages = json_safe(row["messages"])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        mm_inputs = {}
-        if images:
-            if self.image_processor is None:
-                raise DataError(f"{where} has images but the model checkpoint has no image processor")
-            size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
-            try:
-                mm_inputs = dict(self.image_processor(images=images, size=size, return_tensors="pt"))
-            except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
-                raise DataError(f"{where}: cannot use its image ({err})") from None
-        mm_inputs |= self._video_inputs(clips, where)
-        expanded = self._expand_image_pads(text, mm_inputs, where, len(images))
+        mm_inputs = self.image_inputs(images, where) | self._video_inputs(clips, where)
+        expanded = self.expand_image_pads(text, mm_inputs, where, len(images))
         expanded = self._expand_video_pads(expanded, mm_inputs, clips, where)
         ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        types = {self.tokenizer.convert_tokens_to_ids(token): kind for token, kind in TOKEN_TYPES.items()}
-        token_types = [types.get(t, 0) for t in ids] if self.image_processor is not None else []
+        token_types = self.token_types(ids) if self.image_processor is not None else []
         if len(ids) > self.max_prompt_tokens:
             raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
         return Prompt(
@@ -177,7 +167,25 @@ class PromptEncoder:
             messages=messages,
         )
 
-    def _expand_image_pads(self, text: str, mm_inputs: dict, where: str, n_images: int) -> str:
+    def image_inputs(self, images: list[Image.Image], where: str) -> dict:
+        """The images' pixel inputs (`pixel_values`, `image_grid_thw`), resized into
+        [min_pixels, max_pixels]; {} without images."""
+        if not images:
+            return {}
+        if self.image_processor is None:
+            raise DataError(f"{where} has images but the model checkpoint has no image processor")
+        size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        try:
+            return dict(self.image_processor(images=images, size=size, return_tensors="pt"))
+        except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
+            raise DataError(f"{where}: cannot use its image ({err})") from None
+
+    def token_types(self, ids: list[int]) -> list[int]:
+        """Each token's modality id (TOKEN_TYPES: 1 image pad, 2 video pad, else 0 text)."""
+        types = {self.tokenizer.convert_tokens_to_ids(token): kind for token, kind in TOKEN_TYPES.items()}
+        return [types.get(t, 0) for t in ids]
+
+    def expand_image_pads(self, text: str, mm_inputs: dict, where: str, n_images: int) -> str:
         """Replace each image's single pad token with one pad per merged patch."""
         pieces = text.split(IMAGE_PAD)
         if len(pieces) - 1 != n_images:

@@ -90,7 +90,7 @@ class HFEngine:
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[row, width - len(p.prompt_ids) :] = 1
         positions = self._prompt_positions(prompts, attention_mask)
-        mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=True)
+        mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids([p.mm_token_types for p in prompts], width, left_pad=True)
         here = self.model.device
         tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
         logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token

@@ -29,7 +29,7 @@ class ImageTokenCheck:
         r = rollout_of(sample)
         tokens = r.prompt.prompt_ids + r.response_ids
         for what, token_id, grid_key in (("image", self.image_token_id, "image_grid_thw"), ("video", self.video_token_id, "video_grid_thw")):
-            grid = r.prompt.mm_inputs.get(grid_key)  # [images or videos, 3]
+            grid = r.mm_inputs().get(grid_key)  # [images or videos, 3]
             expected = int((grid.prod(-1) // self.merge_size**2).sum()) if grid is not None else 0
             found = tokens.count(token_id) if token_id is not None else 0
             if found != expected:

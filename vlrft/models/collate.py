@@ -22,17 +22,18 @@ def sequence_length(sample) -> int:
     return len(r.prompt.prompt_ids) + len(r.response_ids)
 
 
-def mm_token_type_ids(prompts: list, width: int, left_pad: bool) -> dict[str, torch.Tensor]:
-    """Qwen-VL's per-token modality ids ([B, L]; responses and padding are text = 0), or {}.
+def mm_token_type_ids(rows: list[list[int]], width: int, left_pad: bool) -> dict[str, torch.Tensor]:
+    """Qwen-VL's per-token modality ids ([B, L]) from each row's types (`Prompt.mm_token_types`,
+    `Rollout.mm_token_types()`; padding is text = 0), or {} when no row has any.
 
     Without them the model silently falls back to 1-D positions instead of M-RoPE.
     """
-    if not any(p.mm_token_types for p in prompts):
+    if not any(rows):
         return {}
-    types = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, L]
-    for row, p in enumerate(prompts):
-        start = width - len(p.prompt_ids) if left_pad else 0
-        types[row, start : start + len(p.mm_token_types)] = torch.tensor(p.mm_token_types, dtype=torch.long)
+    types = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L]
+    for row, kinds in enumerate(rows):
+        start = width - len(kinds) if left_pad else 0
+        types[row, start : start + len(kinds)] = torch.tensor(kinds, dtype=torch.long)
     return {"mm_token_type_ids": types}
 
 
@@ -48,12 +49,13 @@ def collate(samples: list, pad_id: int, dummy: bool = False) -> MicroBatch:
         input_ids[row, : len(seq)] = torch.tensor(seq)
         attention_mask[row, : len(seq)] = 1
         response_mask[row, len(r.prompt.prompt_ids) : len(seq)] = 1
-    prompts = [rollout_of(s).prompt for s in samples]
+    rollouts = [rollout_of(s) for s in samples]
+    mm_inputs = concat_mm_inputs([r.mm_inputs() for r in rollouts])
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
-        mm_inputs=concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids(prompts, width, left_pad=False),
+        mm_inputs=mm_inputs | mm_token_type_ids([r.mm_token_types() for r in rollouts], width, left_pad=False),
         samples=list(samples),
         dummy=dummy,
     )

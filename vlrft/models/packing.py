@@ -82,12 +82,10 @@ def pack(samples: list, dummy: bool = False) -> MicroBatch:
     response_mask = torch.tensor(
         [flag for r in rollouts for flag in [0] * len(r.prompt.prompt_ids) + [1] * len(r.response_ids)]
     )[None]  # [1, T]
-    mm_inputs = concat_mm_inputs([r.prompt.mm_inputs for r in rollouts])
-    if any(r.prompt.mm_token_types for r in rollouts):
-        types = []
-        for r, length in zip(rollouts, lengths):
-            types += r.prompt.mm_token_types + [0] * (length - len(r.prompt.mm_token_types))
-        mm_inputs["mm_token_type_ids"] = torch.tensor(types)[None]  # [1, T]
+    mm_inputs = concat_mm_inputs([r.mm_inputs() for r in rollouts])
+    types = [r.mm_token_types() for r in rollouts]
+    if any(types):
+        mm_inputs["mm_token_type_ids"] = torch.tensor([t for kinds, length in zip(types, lengths) for t in kinds or [0] * length])[None]  # [1, T]
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=None,  # built per attention implementation by forward_inputs
@@ -104,13 +102,18 @@ def position_ids(backbone: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     index (Qwen-VL's M-RoPE) that model's [3, 1, T] ids, sample by sample: the prompt's from
     the model's own function (once per prompt, shared by its responses), then the response,
     all text, continuing from the prompt's largest id + 1 on all three axes, as the function
-    numbers text after the last image."""
+    numbers text after the last image. A multi-turn response holding observation images is
+    numbered by the function over the whole sequence instead."""
     rope_index = getattr(backbone, "get_rope_index", None)
     if rope_index is None:
         return torch.cat([torch.arange(length) for length in batch.seq_lengths])[None]
     parts = []
     for sample in batch.samples:
         rollout = rollout_of(sample)
+        if rollout.observation_images:
+            parts.append(rope_positions(rope_index, rollout.prompt.prompt_ids + rollout.response_ids,
+                                        rollout.mm_token_types(), rollout.mm_inputs(), rollout.rope_positions))
+            continue
         prompt = prompt_positions(rope_index, rollout.prompt)  # [3, 1, P]
         start = int(prompt.max()) + 1 if prompt.numel() else 0
         response = torch.arange(start, start + len(rollout.response_ids)).expand(3, 1, -1)  # [3, 1, R]
@@ -120,20 +123,24 @@ def position_ids(backbone: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
 
 def prompt_positions(rope_index, prompt: Prompt) -> torch.Tensor:
     """The prompt's M-RoPE ids by `rope_index`, [3, 1, P], cached on the prompt."""
+    return rope_positions(rope_index, prompt.prompt_ids, prompt.mm_token_types, prompt.mm_inputs, prompt.rope_positions)
+
+
+def rope_positions(rope_index, ids: list[int], types: list[int], mm_inputs: dict, cache: dict) -> torch.Tensor:
+    """M-RoPE ids of a token sequence with its pixel inputs by `rope_index`, [3, 1, N], kept
+    in `cache` under the function's name."""
     key = getattr(rope_index, "__qualname__", repr(rope_index))
-    if key not in prompt.rope_positions:
-        ids = torch.tensor(prompt.prompt_ids)[None]  # [1, P]
-        types = torch.tensor(prompt.mm_token_types or [0] * len(prompt.prompt_ids))[None]  # [1, P]
-        video = {k: prompt.mm_inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in prompt.mm_inputs}
-        positions, _ = rope_index(
+    if key not in cache:
+        ids = torch.tensor(ids)[None]  # [1, N]
+        video = {k: mm_inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in mm_inputs}
+        cache[key], _ = rope_index(
             ids,
-            image_grid_thw=prompt.mm_inputs.get("image_grid_thw"),
+            image_grid_thw=mm_inputs.get("image_grid_thw"),
             attention_mask=torch.ones_like(ids),
-            mm_token_type_ids=types,
+            mm_token_type_ids=torch.tensor(types or [0] * ids.shape[1])[None],  # [1, N]
             **video,
         )
-        prompt.rope_positions[key] = positions
-    return prompt.rope_positions[key]
+    return cache[key]
 
 
 def forward_inputs(backbone: torch.nn.Module, batch: MicroBatch) -> dict:

@@ -8,6 +8,8 @@ An environment answers the policy's turns. One instance serves one trajectory:
         def reset(self, sample: dict) -> None: ...        # the row (same keys a reward recipe sees)
         def step(self, action: str) -> Step | tuple: ... # (observation text, reward, done)
 
+`Step.images` shows the policy images with the observation (vision-language models, HF engine).
+
 The row's prompt is the first observation. A name resolves, in order, to a built-in short name
 (BUILTIN_ENVIRONMENTS), an entry point in the group `vlrft.environments`, or
 "package.module:Class" / "path/to/file.py:Class" (any callable returning an environment).
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
+
+from PIL import Image
 
 from vlrft.errors import ConfigError
 from vlrft.registry import load_callable
@@ -36,6 +40,7 @@ class Step:
     observation: str  # shown to the policy as the next user/tool turn ("" with done: nothing)
     reward: float = 0.0  # this turn's reward; recipes see each turn's and their sum
     done: bool = False  # the trajectory ends after this turn
+    images: list = field(default_factory=list)  # PIL images (or image paths) shown before the text
 
 
 class Environment(Protocol):
@@ -86,7 +91,10 @@ def as_step(answer: Any) -> Step:
         raise EnvironmentFailure(f"step's reward {answer.reward!r} is not a number") from None
     if not math.isfinite(reward):
         raise EnvironmentFailure(f"step's reward {reward} is not finite")
-    return Step(answer.observation, reward, bool(answer.done))
+    images = answer.images
+    if not isinstance(images, (list, tuple)) or not all(isinstance(i, (Image.Image, str)) for i in images):
+        raise EnvironmentFailure("step's images are not a list of PIL images or image paths")
+    return Step(answer.observation, reward, bool(answer.done), list(images))
 
 
 def call_guarded(fn: Callable, *args, timeout_s: float) -> Any:

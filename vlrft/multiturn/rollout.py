@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from vlrft.data.encoding import PromptEncoder
 from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
 from vlrft.errors import ConfigError
+from vlrft.models.collate import concat_mm_inputs
 from vlrft.multiturn.environment import Environment, EnvironmentFailure, as_step, call_guarded
 from vlrft.multiturn.template import ObservationTemplate
 from vlrft.types import Prompt, Rollout
@@ -28,6 +30,7 @@ class MultiTurn:
     max_turns: int
     max_tokens: int  # response tokens per trajectory: actions and observations together
     timeout_s: float  # per environment call
+    encoder: PromptEncoder | None = None  # turns observation images into pixel inputs (VL models)
 
 
 @dataclass
@@ -40,16 +43,21 @@ class Trajectory:
     turns: list[dict] = field(default_factory=list)
     truncated: bool = False
     done: bool = False
+    types: list[int] = field(default_factory=list)  # per token of ids: 0 text, 1 image pad
+    images: list = field(default_factory=list)  # the observations' images, in order
+    mm_inputs: dict = field(default_factory=dict)  # their pixel inputs, concatenated
 
     def continuation(self) -> Prompt:
-        """The prompt of the next turn: the row's prompt and everything since (text tokens)."""
-        p = self.prompt
-        types = p.mm_token_types + [0] * len(self.ids) if p.mm_token_types else []
-        return replace(p, prompt_ids=p.prompt_ids + self.ids, mm_token_types=types)
+        """The prompt of the next turn: the row's prompt and everything since, with the pixel
+        inputs and modality ids of every image in it (the prompt's and the observations')."""
+        p, sofar = self.prompt, self.rollout()
+        return replace(p, prompt_ids=p.prompt_ids + self.ids, mm_token_types=sofar.mm_token_types(),
+                       mm_inputs=sofar.mm_inputs(), images=p.images + self.images)
 
-    def add(self, ids: list[int], logprobs: list[float] | None, trained: int) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, trained: int, types: list[int] | None = None) -> None:
         self.ids += ids
         self.trained += [trained] * len(ids)
+        self.types += types or [0] * len(ids)
         if self.logprobs is None:
             return
         if trained and logprobs is None:
@@ -67,6 +75,9 @@ class Trajectory:
             logprobs=self.logprobs,
             trained=self.trained,
             turns=self.turns,
+            observation_images=self.images,
+            observation_mm_inputs=self.mm_inputs,
+            response_mm_token_types=self.types if self.images else [],
         )
 
 
@@ -111,13 +122,40 @@ def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_token
     if step.done or last_turn:
         trajectory.done = True
         return
-    observation = mt.template.observation_ids(action.response_ids[-1], step.observation)
+    try:
+        image_parts, mm_inputs, images = observation_images(step.images, mt, trajectory.prompt.id)
+    except EnvironmentFailure as failure:
+        fail(trajectory, f"step {failure}")
+        return
+    observation = mt.template.observation_ids(action.response_ids[-1], step.observation, image_parts)
     # The next turn must fit whole: the observation and a full-length action.
     if observation is None or len(trajectory.ids) + len(observation) + max_new_tokens > mt.max_tokens:
         trajectory.done = True
         return
     turn["observation"] = step.observation
-    trajectory.add(observation, None, trained=0)
+    if images:
+        turn["images"] = len(images)
+        trajectory.images += images
+        trajectory.mm_inputs = concat_mm_inputs([trajectory.mm_inputs, mm_inputs])
+    trajectory.add(observation, None, trained=0, types=mt.encoder.token_types(observation) if images else None)
+
+
+def observation_images(shown: list, mt: MultiTurn, row_id: str) -> tuple[str, dict, list]:
+    """An observation's images: their image parts as the template writes them (one pad per
+    merged patch), pixel inputs and the loaded images; ("", {}, []) without images.
+    EnvironmentFailure for an image that cannot be read or used; ConfigError when the run's
+    model takes no images in an observation turn."""
+    if not shown:
+        return "", {}, []
+    if mt.template.image_part is None or mt.encoder is None or mt.encoder.image_processor is None:
+        raise ConfigError(f"the environment showed images on row {row_id!r}: images in observations need a "
+                          "vision-language model (its chat template writes image parts in the observation turn) and rollout.engine: hf")
+    try:
+        images = [mt.encoder.load_image(i) if isinstance(i, str) else i.convert("RGB") for i in shown]
+        mm_inputs = mt.encoder.image_inputs(images, f"row id {row_id!r}")
+    except Exception as err:  # noqa: BLE001 - PIL and the image processor raise many types
+        raise EnvironmentFailure(f"showed an image that cannot be used ({err})") from None
+    return mt.encoder.expand_image_pads(mt.template.image_part * len(images), mm_inputs, "", len(images)), mm_inputs, images
 
 
 def multi_turn_generate(
@@ -130,6 +168,7 @@ def multi_turn_generate(
         with_images = next((p for p in prompts if p.images or p.mm_inputs), None)
         if with_images is not None:
             raise ConfigError(f"row id {with_images.id!r} has images: multi-turn rollouts of image prompts need rollout.engine: hf")
+        mt = replace(mt, encoder=None)  # images in observations: refused too (observation_images)
     trajectories = [Trajectory(p, None) for p in prompts for _ in range(params.n)]
     for t in trajectories:
         start(t, mt, fields_of(t.prompt))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlrft.data.encoding import IMAGE_PAD
 from vlrft.errors import ConfigError
 
 _QUESTION = "vlrft-question"
@@ -26,19 +27,23 @@ class ObservationTemplate:
     glue: dict[int, str]  # stop token id -> the text the template puts between it and an observation
     suffix: str  # after the observation, up to and including the next assistant turn's header
     special_tokens: list[str]  # the tokenizer's special tokens (<|im_end|>, <|image_pad|>, ...)
+    # How the template writes one image part of an observation turn, with one <|image_pad|>
+    # (Qwen-VL: <|vision_start|><|image_pad|><|vision_end|>); None: it writes none.
+    image_part: str | None = None
 
-    def observation_ids(self, stop_id: int, text: str) -> list[int] | None:
+    def observation_ids(self, stop_id: int, text: str, images: str = "") -> list[int] | None:
         """Token ids that follow a turn ending in `stop_id`: the observation wrapped as the
-        template wraps it, ending where the next assistant turn starts. None when the turn
-        ended in a stop token that is not the template's end of turn (the policy ended the
-        conversation). Special-token text inside an observation stays text: an environment
+        template wraps it, ending where the next assistant turn starts; `images` (image parts,
+        pads expanded) come before the text, as an image-first message renders. None when the
+        turn ended in a stop token that is not the template's end of turn (the policy ended
+        the conversation). Special-token text inside an observation stays text: an environment
         (or a tool echoing its input) cannot end a turn or inject an image placeholder."""
         if stop_id not in self.glue:
             return None
         encode = self.tokenizer.encode
         if not any(special in text for special in self.special_tokens):
-            return encode(self.glue[stop_id] + text + self.suffix, add_special_tokens=False)
-        return (encode(self.glue[stop_id], add_special_tokens=False)
+            return encode(self.glue[stop_id] + images + text + self.suffix, add_special_tokens=False)
+        return (encode(self.glue[stop_id] + images, add_special_tokens=False)
                 + encode(text, add_special_tokens=False, split_special_tokens=True)
                 + encode(self.suffix, add_special_tokens=False))
 
@@ -70,4 +75,19 @@ def observation_template(tokenizer, stop_ids: list[int], role: str, model: str) 
     if not glue:
         raise ConfigError(f"the chat template of {model} does not end an assistant turn with a stop token ({between[:40]!r})")
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
-    return ObservationTemplate(tokenizer, glue, suffix, specials)
+    return ObservationTemplate(tokenizer, glue, suffix, specials, image_part(tokenizer, question, role, between, suffix))
+
+
+def image_part(tokenizer, question: list[dict], role: str, between: str, suffix: str) -> str | None:
+    """The text an image-first `role` turn adds before its text, when it is one image
+    placeholder (rendered with the same glue and suffix as a text turn); None otherwise."""
+    with_image = [{"type": "image"}, {"type": "text", "text": _OBSERVATION}]
+    try:
+        answered = render(tokenizer, question + [{"role": "assistant", "content": _ACTION}, {"role": role, "content": with_image}], True)
+    except Exception:  # noqa: BLE001 - a text-only template may reject list content in any way
+        return None
+    start = answered.rfind("vlrft-action") + len("vlrft-action")
+    before, found, after = answered[start:].partition(_OBSERVATION)
+    if not found or after != suffix or not before.startswith(between) or before.count(IMAGE_PAD) != 1:
+        return None
+    return before[len(between) :]

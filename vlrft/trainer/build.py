@@ -67,7 +67,7 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     )
 
 
-def multi_turn(cfg: Config, tokenizer, stop_ids: list[int]) -> MultiTurn | None:
+def multi_turn(cfg: Config, encoder, stop_ids: list[int]) -> MultiTurn | None:
     """Multi-turn rollout settings (None: one turn). One environment is built here so a bad
     `rollout.environment_args` fails at start-up, in one line."""
     rollout = cfg.rollout
@@ -83,8 +83,8 @@ def multi_turn(cfg: Config, tokenizer, stop_ids: list[int]) -> MultiTurn | None:
     except Exception as err:  # noqa: BLE001 - whatever a user's constructor raises is named
         raise ConfigError(f"environment '{rollout.environment}' could not be built from rollout.environment_args: {err}") from None
     role = getattr(probe, "observation_role", "tool")
-    template = observation_template(tokenizer, stop_ids, role, cfg.model.path)
-    return MultiTurn(make_environment, template, rollout.max_turns, rollout.max_trajectory_tokens, rollout.environment_timeout_s)
+    template = observation_template(encoder.tokenizer, stop_ids, role, cfg.model.path)
+    return MultiTurn(make_environment, template, rollout.max_turns, rollout.max_trajectory_tokens, rollout.environment_timeout_s, encoder)
 
 
 def maker_settings(cfg: Config, controller: FixedKLController, image_check=None, multi_turn: MultiTurn | None = None) -> MakerSettings:

@@ -186,7 +186,7 @@ class SPMDTrainer:
             reference=self.reference,
             rewards=self.rewards,
             shape_rewards=reward_shaper(cfg),
-            settings=maker_settings(cfg, self.kl_controller, self.image_check, multi_turn(cfg, tokenizer, stop_ids)),
+            settings=maker_settings(cfg, self.kl_controller, self.image_check, multi_turn(cfg, self.encoder, stop_ids)),
             critic=(lambda: self.critic.model) if self.critic is not None else None,
             return_stats=self.return_stats,
         )

@@ -283,9 +283,10 @@ def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: f
         facts |= {f"turn {i + 1} error": t["error"] for i, t in enumerate(turns) if "error" in t}
     fact_html = " · ".join(f"{k} <b>{esc(v)}</b>" for k, v in facts.items())
     images = []
-    for relative in record["images"]:
+    for k, relative in enumerate(record["images"] + record.get("observation_images", [])):
         uri = image_data_uri(trajectory_dir / relative, image_cache)
-        images.append(f'<img src="{esc(uri)}" alt="{esc(relative)}" title="{esc(relative)}">' if uri
+        title = relative if k < len(record["images"]) else f"shown by the environment: {relative}"
+        images.append(f'<img src="{esc(uri)}" alt="{esc(title)}" title="{esc(title)}">' if uri
                       else f'<span class="missing">image not found: {esc(relative)}</span>')
     prompt = REPEATED_SPECIAL_TOKEN.sub(lambda m: f"{m[1]}×{len(m[0]) // len(m[1])}", record["prompt_text"])
     return (f'<div class="card {kind}" data-source="{esc(record["data_source"])}">'

@@ -125,13 +125,17 @@ def trajectory_record(
     correct: float,
     image_paths: list[str],
     response_tokens: list[str],
+    observation_image_paths: list[str] = (),
 ) -> dict:
     """One JSONL line: the prompt, the response (text, ids, each token's text), per-token
     logprobs/entropy, reward, components, mean advantage and correctness; for multi-turn
     trajectories also the turns (action, observation, reward, error) and per token whether the
-    policy generated it (`trained`: 0 on observations)."""
+    policy generated it (`trained`: 0 on observations), and the files of the images the
+    environment showed (`observation_images`, in order; a turn's "images" counts its own)."""
     rollout = experience.rollout
     multi_turn = {"turns": rollout.turns, "trained": rollout.trained} if rollout.trained is not None else {}
+    if observation_image_paths:
+        multi_turn["observation_images"] = list(observation_image_paths)
     return {
         "step": step,
         "rank": rank,
@@ -169,8 +173,8 @@ class TrajectorySaver:
         token_texts: dict[int, str] = {}
         lines = []
         for experience, ok in zip(experiences, correct):
-            images = experience.rollout.prompt.images
-            for image in images:
+            images, shown = experience.rollout.prompt.images, experience.rollout.observation_images
+            for image in images + shown:
                 if id(image) not in image_paths:
                     image_paths[id(image)] = store_image(image, self.trajectory_dir)
             for token in experience.rollout.response_ids:
@@ -183,6 +187,7 @@ class TrajectorySaver:
                 ok,
                 [image_paths[id(image)] for image in images],
                 [token_texts[token] for token in experience.rollout.response_ids],
+                [image_paths[id(image)] for image in shown],
             )
             lines.append(json.dumps(record, ensure_ascii=False, allow_nan=False))
         path = self.trajectory_dir / f"step_{step:06d}.rank{self.rank}.jsonl"

@@ -11,7 +11,7 @@ A JSONL row looks like::
 Image paths are relative to the directory holding the JSONL file, so a dataset
 directory can be moved or copied as a unit.
 
-Four tasks:
+Five tasks:
   * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
                    chance = 1/len(COLOURS) = 25%).
   * ``left_right`` - two shapes of different colours side by side; "what colour is the shape
@@ -22,10 +22,14 @@ Four tasks:
                    for a policy that answers any colour in the image).
   * ``addition`` - small addition (operands 0..4, sums balanced), text only (a cheap sanity
                    task; chance = 1/9).
+  * ``zoom``     - a 7 x 7 grid of coloured blocks with a small mark at the centre; "what
+                   colour is the centre mark?". Shrunk to the example's 28 x 28 pixels the
+                   mark is lost: the policy asks the environment for a crop (multi-turn;
+                   examples/zoom).
 
 CLI::
 
-    python -m data_tools.synth_shapes --task colors|left_right|bigger|addition --out DIR \
+    python -m data_tools.synth_shapes --task colors|left_right|bigger|addition|zoom --out DIR \
         [--n-train 2000] [--n-test 200] [--seed 0]
 """
 
@@ -298,8 +302,59 @@ def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: i
     return out_dir
 
 
+ZOOM_SOURCE = "zoom"
+ZOOM_QUESTION = "What colour is the centre mark? Say <zoom> to see it closer, or answer as <answer>colour</answer>."
+ZOOM_GRID, ZOOM_BLOCK, ZOOM_MARK = 7, 32, 8  # 224 x 224 images: 7 x 7 blocks, an 8-pixel mark at the centre
+
+
+def render_blocks(mark: str, rng: np.random.Generator) -> Image.Image:
+    """A ZOOM_GRID x ZOOM_GRID grid of blocks of random COLOURS (jittered RGB) with a small
+    square mark of colour ``mark`` at the centre. Shrunk 8 times (28 x 28 pixels) the mark is a
+    quarter of four pixels, one in the corner of each of the four patches; cropped
+    (``zoom_box``) it fills the image."""
+    img = Image.new("RGB", (ZOOM_GRID * ZOOM_BLOCK,) * 2)
+    draw = ImageDraw.Draw(img)
+
+    def fill(colour: str) -> tuple:
+        return tuple(int(np.clip(c + rng.integers(-_COLOUR_JITTER, _COLOUR_JITTER + 1), 0, 255)) for c in _BASE_RGB[colour])
+
+    for row in range(ZOOM_GRID):
+        for col in range(ZOOM_GRID):
+            box = (col * ZOOM_BLOCK, row * ZOOM_BLOCK, (col + 1) * ZOOM_BLOCK - 1, (row + 1) * ZOOM_BLOCK - 1)
+            draw.rectangle(box, fill=fill(COLOURS[int(rng.integers(len(COLOURS)))]))
+    left, top, right, bottom = zoom_box()
+    draw.rectangle((left, top, right - 1, bottom - 1), fill=fill(mark))
+    return img
+
+
+def zoom_box() -> tuple[int, int, int, int]:
+    """The centre mark's (left, top, right, bottom) in a ``render_blocks`` image."""
+    start = (ZOOM_GRID * ZOOM_BLOCK - ZOOM_MARK) // 2
+    return (start, start, start + ZOOM_MARK, start + ZOOM_MARK)
+
+
+def zoom_row(row_id: str, image_path: str, colour: str, full_image: str) -> dict:
+    """A centre-mark question; ``meta.full_image`` is the image's absolute path (the zoom
+    environment crops the full-resolution file, not the shrunk prompt image)."""
+    row = colour_row(row_id, image_path, colour, "square")
+    row["messages"][0]["content"][1]["text"] = ZOOM_QUESTION
+    return row | {"data_source": ZOOM_SOURCE, "meta": {"colour": colour, "full_image": full_image, "zoom_box": list(zoom_box())}}
+
+
+def write_zoom_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """The zoom task (examples/zoom): the centre mark's colour, readable only in a crop."""
+    out_dir = Path(out_dir).resolve()
+
+    def make_row(row_id: str, rel: str, colour: str, rng: np.random.Generator) -> dict:
+        render_blocks(colour, rng).save(out_dir / rel)
+        return zoom_row(f"{ZOOM_SOURCE}-{row_id}", rel, colour, str(out_dir / rel))
+
+    return _write_image_task(out_dir, n_train, n_test, seed, make_row)
+
+
 TASKS = {
     "colors": write_colour_task,
+    "zoom": write_zoom_task,
     "left_right": write_left_right_task,
     "bigger": write_bigger_task,
     "addition": write_addition_task,

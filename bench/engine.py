@@ -24,7 +24,7 @@ from vlrft.engines.base import SamplingParams
 from vlrft.engines.hf_engine import HFEngine
 from vlrft.engines.vllm_engine import VLLMEngine
 from vlrft.models.loader import banned_token_ids, stop_token_ids
-from vlrft.distributed import init_distributed, shutdown_distributed
+from vlrft.distributed import init_distributed, exit_process
 from vlrft.types import Prompt
 
 
@@ -92,4 +92,4 @@ def main() -> None:
 
 if __name__ == "__main__":  # vLLM's external launcher may re-import the main module
     main()
-    shutdown_distributed()
+    exit_process()

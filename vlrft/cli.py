@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
 from vlrft.config import load_config
 from vlrft.errors import ConfigError, VlrftError
@@ -76,5 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> NoReturn:
+    """The `vlrft` command and `python -m vlrft.cli`: `main`, then a process exit that skips the
+    interpreter's finalisation (vlrft.distributed.exit_process says why)."""
+    from vlrft.distributed import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from vlrft.config import load_config
 from vlrft.data.dataset import load_rows
-from vlrft.distributed import shutdown_distributed
+from vlrft.distributed import exit_process
 from vlrft.trainer.spmd_trainer import SPMDTrainer
 
 HERE = Path(__file__).resolve().parent
@@ -71,4 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    shutdown_distributed()  # the process group goes before the interpreter does
+    exit_process()  # the process group goes first, then the process (without the interpreter's finalisation)

@@ -30,4 +30,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vlrft.distributed import exit_process
+
+    exit_process(main())

@@ -92,7 +92,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
 
 
 if __name__ == "__main__":
-    from vlrft.distributed import shutdown_distributed
+    from vlrft.distributed import exit_process
 
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
-    shutdown_distributed()  # before exit: a gloo group left to finalisation can abort the process
+    exit_process()  # interpreter finalisation can abort a finished rank (vlrft.distributed)

@@ -23,8 +23,9 @@ def main(config: str, step_dir: str) -> None:
 
     torch.save = dying_save
     from vlrft.cli import main as cli_main
+    from vlrft.distributed import exit_process
 
-    sys.exit(cli_main(["train", config]))
+    exit_process(cli_main(["train", config]))
 
 
 if __name__ == "__main__":

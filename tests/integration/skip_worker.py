@@ -49,7 +49,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    from vlrft.distributed import shutdown_distributed
+    from vlrft.distributed import exit_process
 
     main(sys.argv[1], sys.argv[2], sys.argv[3])
-    shutdown_distributed()  # before exit: a gloo group left to finalisation can abort the process
+    exit_process()  # interpreter finalisation can abort a finished rank (vlrft.distributed)

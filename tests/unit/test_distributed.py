@@ -128,6 +128,27 @@ def test_a_finished_run_destroys_its_process_group(tmp_path, tiny_text, addition
     assert "initialized after the run: False" in done.stdout
 
 
+def test_exit_process_runs_atexit_handlers_flushes_and_keeps_the_code(tmp_path):
+    """`exit_process` (the end of `vlrft train` and of every rank script) leaves without the
+    interpreter's finalisation, but what a run registered to do at exit still happens, output
+    still written from buffers reaches the pipe, the group is gone and the exit code is kept."""
+    code = (
+        "import atexit, sys, torch.distributed as dist\n"
+        "from pathlib import Path\n"
+        "from vlrft.distributed import exit_process, init_distributed\n"
+        "init_distributed()\n"
+        f"atexit.register(lambda: Path('{tmp_path / 'atexit_ran'}').write_text(str(dist.is_initialized())))\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "exit_process(3)\n"
+        "print('not reached')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "buffered, no newline"
+    assert (tmp_path / "atexit_ran").read_text() == "False"  # the group was destroyed before the handlers ran
+
+
 def test_engine_groups_must_fit_in_a_node(tmp_path):
     (tmp_path / "cfg.yaml").write_text("model: {path: m}\ndata: {train_path: d.jsonl}\nrollout: {engine: vllm}\n")
     cfg = load_config(tmp_path / "cfg.yaml", ["rollout.engine_tp_size=2", "rollout.rollout_prompts=8"])

@@ -57,7 +57,7 @@ def main(out_file: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":  # vLLM's external launcher re-imports the main module
-    from vlrft.distributed import shutdown_distributed
+    from vlrft.distributed import exit_process
 
     main(sys.argv[1], sys.argv[2:])
-    shutdown_distributed()
+    exit_process()

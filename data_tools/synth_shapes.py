@@ -11,7 +11,7 @@ A JSONL row looks like::
 Image paths are relative to the directory holding the JSONL file, so a dataset
 directory can be moved or copied as a unit.
 
-Five tasks:
+Six tasks:
   * ``colors``   - "what colour is the shape?" on a rendered image (needs vision;
                    chance = 1/len(COLOURS) = 25%).
   * ``left_right`` - two shapes of different colours side by side; "what colour is the shape
@@ -26,10 +26,13 @@ Five tasks:
                    colour is the centre mark?". Shrunk to the example's 28 x 28 pixels the
                    mark is lost: the policy asks the environment for a crop (multi-turn;
                    examples/zoom).
+  * ``product``  - "what is 37 * 52?" over two-digit operands, text only; test pairs are not
+                   train pairs. A tiny policy answers it with the calculator tool (multi-turn;
+                   examples/calculator).
 
 CLI::
 
-    python -m data_tools.synth_shapes --task colors|left_right|bigger|addition|zoom --out DIR \
+    python -m data_tools.synth_shapes --task colors|left_right|bigger|addition|zoom|product --out DIR \
         [--n-train 2000] [--n-test 200] [--seed 0]
 """
 
@@ -302,6 +305,39 @@ def write_addition_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: i
     return out_dir
 
 
+PRODUCT_SOURCE = "product"
+PRODUCT_OPERANDS = range(10, 100)
+
+
+def product_question(a: int, b: int) -> str:
+    return f"What is {a} * {b}? Call the calculator, or answer as <answer>number</answer>."
+
+
+def product_row(row_id: str, a: int, b: int) -> dict:
+    return {
+        "id": row_id,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": product_question(a, b)}]}],
+        "answer": str(a * b),
+        "data_source": PRODUCT_SOURCE,
+        "meta": {"a": a, "b": b},
+    }
+
+
+def write_product_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """Products of two-digit numbers (examples/calculator), text only; no test pair is a train
+    pair, so a policy cannot answer held-out rows from memory."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pairs = [(a, b) for a in PRODUCT_OPERANDS for b in PRODUCT_OPERANDS]
+    if n_train + n_test > len(pairs):
+        raise ValueError(f"the product task has {len(pairs)} operand pairs; asked for {n_train} + {n_test} rows")
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    for split, picked in (("test", order[:n_test]), ("train", order[n_test : n_test + n_train])):
+        rows = [product_row(f"{PRODUCT_SOURCE}-{split}-{i:05d}", *pairs[k]) for i, k in enumerate(picked)]
+        _write_jsonl(out_dir / f"{split}.jsonl", rows)
+    return out_dir
+
+
 ZOOM_SOURCE = "zoom"
 ZOOM_QUESTION = "What colour is the centre mark? Say <zoom> to see it closer, or answer as <answer>colour</answer>."
 ZOOM_GRID, ZOOM_BLOCK, ZOOM_MARK = 7, 32, 8  # 224 x 224 images: 7 x 7 blocks, an 8-pixel mark at the centre
@@ -358,6 +394,7 @@ TASKS = {
     "left_right": write_left_right_task,
     "bigger": write_bigger_task,
     "addition": write_addition_task,
+    "product": write_product_task,
 }
 
 

@@ -16,9 +16,7 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from data_tools.make_tiny_model import MAX_PROMPT_TOKENS, build_text_model
 from data_tools.synth_shapes import PRODUCT_OPERANDS, format_answer, product_row
-from data_tools.tiny_warmup import parse_answer, sft_batch, warmup
+from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warmup, warmup_cli
 from vlrft.data.encoding import PromptEncoder
 
 # Mostly guessing at the start: held-out accuracy begins near zero, and what RL adds (calling)
@@ -80,10 +78,7 @@ def turn_rates(model, tokenizer, first: list, after: list, pairs: list) -> dict:
 
 
 def build_calculator_model(out_dir, base=None, steps: int = 1500, seed: int = 0, batch_size: int = 32, lr: float = 3e-3) -> Path:
-    out_dir = Path(out_dir)
-    if base is None or not (Path(base) / "config.json").is_file():
-        base = build_text_model(Path(base or out_dir.with_name(out_dir.name + "-base")), seed=seed)
-    shutil.copytree(base, out_dir, dirs_exist_ok=True)
+    out_dir = copy_base(out_dir, base, build_text_model, seed)
     encoder = PromptEncoder(str(out_dir), 0, 0, MAX_PROMPT_TOKENS)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     rng = np.random.default_rng(seed)
@@ -104,14 +99,7 @@ def build_calculator_model(out_dir, base=None, steps: int = 1500, seed: int = 0,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--base", default=None, help="a make_tiny_model text checkpoint (built next to --out when missing)")
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)  # the same weights every run
-    print(f"saved the calculator example's model to {build_calculator_model(args.out, args.base, args.steps, args.seed)}")
+    warmup_cli(argv, __doc__.split("\n")[0], build_calculator_model, 1500, "text")
 
 
 if __name__ == "__main__":

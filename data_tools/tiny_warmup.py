@@ -10,8 +10,10 @@ only, and the VL model ends up answering each colour ~25% of the time.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -117,6 +119,29 @@ def warmup(model, make_batch, steps: int, lr: float = 3e-3, log_every: int = 25)
     model.eval()
     return losses
 
+
+
+def copy_base(out_dir, base, build_base, seed: int) -> Path:
+    """An example's warm-up starts from a make_tiny_model checkpoint: ``base`` copied to
+    ``out_dir`` (``build_base(path, seed=seed)`` makes it first when missing)."""
+    out_dir = Path(out_dir)
+    if base is None or not (Path(base) / "config.json").is_file():
+        base = build_base(Path(base or out_dir.with_name(out_dir.name + "-base")), seed=seed)
+    shutil.copytree(base, out_dir, dirs_exist_ok=True)
+    return out_dir
+
+
+def warmup_cli(argv, description: str, build, default_steps: int, what: str) -> None:
+    """The command line of an example's warm-up (zoom_warmup, calculator_warmup): ``build(out,
+    base, steps, seed)`` a checkpoint from a make_tiny_model one of kind ``what``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True)
+    p.add_argument("--base", default=None, help=f"a make_tiny_model {what} checkpoint (built next to --out when missing)")
+    p.add_argument("--steps", type=int, default=default_steps)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # the same weights every run
+    print(f"saved the model to {build(args.out, args.base, args.steps, args.seed)}")
 
 def run_warmup(model, encoder, kind: str, steps: int, seed: int, batch_size: int, lr: float, n_eval: int = 256) -> dict:
     """Warm ``model`` up on fresh random prompts, then check it on ``n_eval`` held-out ones.

@@ -14,8 +14,6 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from transformers import AutoModelForImageTextToText
 
 from data_tools.make_tiny_model import MAX_PROMPT_TOKENS, build_vl_model
 from data_tools.synth_shapes import COLOURS, format_answer, render_blocks, zoom_box, zoom_row
-from data_tools.tiny_warmup import parse_answer, sft_batch, warmup
+from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warmup, warmup_cli
 from vlrft.data.encoding import PromptEncoder
 
 ZOOM = "<zoom>"
@@ -74,10 +72,7 @@ def turn_rates(model, tokenizer, first: list, after: list) -> dict:
 
 
 def build_zoom_model(out_dir, base=None, steps: int = 200, seed: int = 0, batch_size: int = 32, lr: float = 2e-3) -> Path:
-    out_dir = Path(out_dir)
-    if base is None or not (Path(base) / "config.json").is_file():
-        base = build_vl_model(Path(base or out_dir.with_name(out_dir.name + "-base")), seed=seed)
-    shutil.copytree(base, out_dir, dirs_exist_ok=True)
+    out_dir = copy_base(out_dir, base, build_vl_model, seed)
     encoder = PromptEncoder(str(out_dir), PIXELS, PIXELS, MAX_PROMPT_TOKENS)
     model = AutoModelForImageTextToText.from_pretrained(out_dir, dtype=torch.float32)
     rng = np.random.default_rng(seed)
@@ -97,14 +92,7 @@ def build_zoom_model(out_dir, base=None, steps: int = 200, seed: int = 0, batch_
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--base", default=None, help="a make_tiny_model VL checkpoint (built next to --out when missing)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)  # the same weights every run
-    print(f"saved the zoom example's model to {build_zoom_model(args.out, args.base, args.steps, args.seed)}")
+    warmup_cli(argv, __doc__.split("\n")[0], build_zoom_model, 200, "VL")
 
 
 if __name__ == "__main__":

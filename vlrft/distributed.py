@@ -11,6 +11,7 @@ gloo) and return results on the caller's device.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import os
 import socket
@@ -88,18 +89,22 @@ def shutdown_distributed() -> None:
 
 def exit_process(code: int = 0) -> NoReturn:
     """End a rank's process after its work is done and written: destroy the process group, run
-    the atexit handlers (wandb, vLLM, temporary files), flush, and leave without the
-    interpreter's finalisation. Finalisation aborts finished runs now and then (SIGABRT,
-    "terminate called without an active exception", about 1 run in 5 of a 2-rank job on a loaded
-    machine): a gloo worker thread that is still releasing the tensors of the last collective
-    waits for the GIL, and a thread that gets it while the interpreter finalises is ended
-    inside a C++ destructor, which terminates the process. Groups that other libraries still
-    reference (DeepSpeed holds the default one) keep their threads until then."""
+    the atexit handlers (wandb, temporary files), flush, and exit through the C library, which
+    runs C and C++ exit handlers (vLLM's CPU engine unlinks its shared-memory segments there)
+    but not the interpreter's finalisation.
+
+    Finalisation aborted finished runs now and then (SIGABRT, "terminate called without an
+    active exception": 4-5 in 20 two-rank runs on a loaded machine): a gloo worker thread that
+    is still releasing the tensors of the last collective waits for the GIL, and a thread that
+    gets it while the interpreter finalises is ended inside a C++ destructor. Groups that other
+    libraries still reference (DeepSpeed holds the default one) keep their threads until exit.
+    The libc call releases the GIL, so such a thread finishes normally."""
     shutdown_distributed()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    ctypes.CDLL(None).exit(code)
+    os._exit(code)  # not reached: exit() does not return
 
 
 def rank(group=None) -> int:

@@ -51,6 +51,18 @@ def test_a_missing_local_path_is_one_line():
         local_model_dir("/no/such/dir", "model.path")
 
 
+def test_vlrft_train_names_a_missing_model_directory_in_one_line(tmp_path, addition_data):
+    (tmp_path / "cfg.yaml").write_text(
+        f"model: {{path: {tmp_path / 'gone'}}}\ndata: {{train_path: {addition_data / 'train.jsonl'}}}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "vlrft.cli", "train", str(tmp_path / "cfg.yaml")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"vlrft: error: config key 'model.path': no model directory at {tmp_path / 'gone'}"
+
+
 def test_a_cached_hub_id_loads_through_the_trainers_resolution(tmp_path, tiny_text, addition_data):
     cache = hub_cache(tmp_path, tiny_text)
     code = (

@@ -49,7 +49,11 @@ def resolve_model_paths(cfg) -> None:
     snapshot directories (a collective: every rank calls it). Local rank 0 fetches first so a
     node downloads each model once; the other ranks then find it in the cache."""
     fields = [(cfg.model, "path", "model.path"), (cfg.model, "ref_path", "model.ref_path"), (cfg.critic, "path", "critic.path")]
-    hub = [(section, name, key) for section, name, key in fields if getattr(section, name) and is_model_id(getattr(section, name))]
+    fields = [(section, name, key) for section, name, key in fields if getattr(section, name)]
+    for section, name, key in fields:  # a local path that is not there: one line, before any loading
+        if not is_model_id(getattr(section, name)):
+            local_model_dir(getattr(section, name), key)
+    hub = [(section, name, key) for section, name, key in fields if is_model_id(getattr(section, name))]
     if not hub:
         return
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0

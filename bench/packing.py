@@ -25,6 +25,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from vlrft.cpu_memory import keep_freed_memory
 from vlrft.models.collate import collate
 from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
@@ -70,6 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.attention in ("flash_attention_2", "torch_varlen") and args.compute_dtype != "bfloat16":
         parser.error(f"--attention {args.attention} needs --compute-dtype bfloat16 (flash-attention has no fp32 kernel)")
+    if args.device == "cpu":
+        keep_freed_memory()  # as a CPU training rank does (vlrft/cpu_memory.py)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=11,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,

@@ -21,6 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from vlrft.cpu_memory import keep_freed_memory
 from vlrft.errors import VlrftError
 
 # Long enough for rank-0-only work between two collectives (writing a 7B final checkpoint, a
@@ -75,6 +76,7 @@ def init_distributed() -> tuple[int, int]:
             torch.cuda.set_device(here)  # before the group: NCCL binds the current device
             dist.init_process_group("cpu:gloo,cuda:nccl", timeout=PROCESS_GROUP_TIMEOUT, device_id=here)
         else:
+            keep_freed_memory()  # CPU ranks: no page faults for every large activation (cpu_memory.py)
             dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
 

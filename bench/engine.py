@@ -24,7 +24,7 @@ from vlrft.engines.base import SamplingParams
 from vlrft.engines.hf_engine import HFEngine
 from vlrft.engines.vllm_engine import VLLMEngine
 from vlrft.models.loader import banned_token_ids, stop_token_ids
-from vlrft.distributed import init_distributed, exit_process
+from vlrft.distributed import exit_process, init_distributed
 from vlrft.types import Prompt
 
 

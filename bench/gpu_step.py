@@ -28,7 +28,7 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from vlrft.backends.deepspeed_backend import DeepSpeedBackend
-from vlrft.distributed import init_distributed, exit_process
+from vlrft.distributed import exit_process, init_distributed
 from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward

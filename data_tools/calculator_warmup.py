@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from data_tools.make_tiny_model import MAX_PROMPT_TOKENS, build_text_model
 from data_tools.synth_shapes import PRODUCT_OPERANDS, format_answer, product_row
-from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warmup, warmup_cli
+from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warm_up_and_save, warmup_cli
 from vlrft.data.encoding import PromptEncoder
 
 # Mostly guessing at the start: held-out accuracy begins near zero, and what RL adds (calling)
@@ -90,12 +90,10 @@ def build_calculator_model(out_dir, base=None, steps: int = 1500, seed: int = 0,
         results = [format_answer(a * b) for a, b in pairs]
         return sft_batch(encoder.tokenizer, first + after, calls + results)
 
-    torch.manual_seed(seed)
-    warmup(model, make_batch, steps, lr)
-    rates = turn_rates(model, encoder.tokenizer, *calculator_prompts(encoder, np.random.default_rng(seed + 1), 64))
-    print(f"  calculator format: {rates}", flush=True)
-    model.save_pretrained(out_dir)
-    return out_dir
+    def check() -> dict:
+        return turn_rates(model, encoder.tokenizer, *calculator_prompts(encoder, np.random.default_rng(seed + 1), 64))
+
+    return warm_up_and_save(model, make_batch, steps, lr, seed, check, "calculator", out_dir)
 
 
 def main(argv=None) -> None:

@@ -120,7 +120,6 @@ def warmup(model, make_batch, steps: int, lr: float = 3e-3, log_every: int = 25)
     return losses
 
 
-
 def copy_base(out_dir, base, build_base, seed: int) -> Path:
     """An example's warm-up starts from a make_tiny_model checkpoint: ``base`` copied to
     ``out_dir`` (``build_base(path, seed=seed)`` makes it first when missing)."""
@@ -142,6 +141,17 @@ def warmup_cli(argv, description: str, build, default_steps: int, what: str) -> 
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the same weights every run
     print(f"saved the model to {build(args.out, args.base, args.steps, args.seed)}")
+
+
+def warm_up_and_save(model, make_batch, steps: int, lr: float, seed: int, check, name: str, out_dir: Path) -> Path:
+    """An example's warm-up after its batches are defined: seeded supervised steps, then
+    ``check()`` (the format rates it reports), then the checkpoint saved to ``out_dir``."""
+    torch.manual_seed(seed)
+    warmup(model, make_batch, steps, lr)
+    print(f"  {name} format: {check()}", flush=True)
+    model.save_pretrained(out_dir)
+    return out_dir
+
 
 def run_warmup(model, encoder, kind: str, steps: int, seed: int, batch_size: int, lr: float, n_eval: int = 256) -> dict:
     """Warm ``model`` up on fresh random prompts, then check it on ``n_eval`` held-out ones.

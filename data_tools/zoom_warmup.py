@@ -23,7 +23,7 @@ from transformers import AutoModelForImageTextToText
 
 from data_tools.make_tiny_model import MAX_PROMPT_TOKENS, build_vl_model
 from data_tools.synth_shapes import COLOURS, format_answer, render_blocks, zoom_box, zoom_row
-from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warmup, warmup_cli
+from data_tools.tiny_warmup import copy_base, parse_answer, sft_batch, warm_up_and_save, warmup_cli
 from vlrft.data.encoding import PromptEncoder
 
 ZOOM = "<zoom>"
@@ -83,12 +83,10 @@ def build_zoom_model(out_dir, base=None, steps: int = 200, seed: int = 0, batch_
             asks = [ZOOM if ask else answer for ask, answer in zip(rng.random(len(first)) < ASK_RATE, random_answers(rng, len(first)))]
             return sft_batch(encoder.tokenizer, first + after, asks + random_answers(rng, len(after)))
 
-        torch.manual_seed(seed)
-        warmup(model, make_batch, steps, lr)
-        rates = turn_rates(model, encoder.tokenizer, *zoom_prompts(encoder, np.random.default_rng(seed + 1), 64, Path(tmp)))
-    print(f"  zoom format: {rates}", flush=True)
-    model.save_pretrained(out_dir)
-    return out_dir
+        def check() -> dict:
+            return turn_rates(model, encoder.tokenizer, *zoom_prompts(encoder, np.random.default_rng(seed + 1), 64, Path(tmp)))
+
+        return warm_up_and_save(model, make_batch, steps, lr, seed, check, "zoom", out_dir)
 
 
 def main(argv=None) -> None:

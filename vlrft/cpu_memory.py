@@ -9,8 +9,8 @@ faster (0.97x). The price is memory: freed blocks stay resident, and because ten
 allocated aligned, a freed block does not always fit the next request of its own size, so the
 heap settles above the step's peak in use (in a loop of 64/12/20 MB temporaries the process's
 peak resident memory was 425 MB against 413 MB with the defaults, which map the blocks instead;
-tests/unit/test_cpu_memory.py checks the reuse). GPU ranks keep
-glibc's defaults: their activations live in CUDA's caching allocator.
+tests/unit/test_cpu_memory.py checks the reuse). GPU ranks keep glibc's defaults: their
+activations live in CUDA's caching allocator.
 """
 
 from __future__ import annotations

@@ -105,8 +105,7 @@ def exit_process(code: int = 0) -> NoReturn:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    ctypes.CDLL(None).exit(code)
-    os._exit(code)  # not reached: exit() does not return
+    ctypes.CDLL(None).exit(code)  # does not return
 
 
 def rank(group=None) -> int:

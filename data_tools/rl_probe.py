@@ -4,6 +4,7 @@ minute per 150 steps instead of half an hour, and over many seeds.
     python -m data_tools.rl_probe --model artifacts/tiny-vl --data artifacts/bigger --seeds 0 1 2
     python -m data_tools.rl_probe ... --kl-coef 0.01 --kl-estimator k3   # the old recipe
     python -m data_tools.rl_probe ... --lora-rank 64 --lora-alpha 64 --lr 2e-3   # a LoRA policy
+    python -m data_tools.rl_probe ... --lora-rank 64 --lora-alpha 64 --lr 1e-4 --lora-lr-ratio 32   # LoRA+
 
 Each step samples `--samples` answers per prompt for `--prompts` training prompts from the
 policy's distribution over the task's colours after "<answer>" (the format tokens around it are
@@ -35,7 +36,7 @@ from vlrft.backends.deepspeed_backend import lr_scheduler
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import PromptEncoder
 from vlrft.models.loader import load_model
-from vlrft.models.lora import add_lora
+from vlrft.models.lora import add_lora, optimizer_groups
 
 RESPONSE_TOKENS = 4  # "<answer>", the colour, "</answer>", "<|im_end|>": token-mean's denominator
 
@@ -85,7 +86,8 @@ def probe(args, seed: int, tokenizer, train: list[tuple], test: list[tuple]) -> 
         add_lora(model, args.lora_rank, args.lora_alpha, 0.0, args.lora_targets)
     colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOURS]
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
+    groups = optimizer_groups(model, args.lr, args.lora_lr_ratio) if args.lora_rank else [{"params": trained}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
     sched = lr_scheduler(opt, "cosine", 0, args.steps)  # the recipe's schedule
     rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     curve = []
@@ -132,6 +134,7 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (model.lora.rank)")
     parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--lora-lr-ratio", type=float, default=1.0, help="LoRA+: B's lr = --lr x this (model.lora.lr_ratio)")
     parser.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     args = parser.parse_args(argv)
     encoder = PromptEncoder(args.model, 56 * 56, 112 * 112, 1024)

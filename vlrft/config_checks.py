@@ -31,13 +31,16 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
     if lora.rank < 0:
         raise ConfigError(f"config key 'model.lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
-        if (lora.alpha, lora.dropout, lora.target_modules) != (defaults.alpha, defaults.dropout, defaults.target_modules):
+        fields = ("alpha", "dropout", "lr_ratio", "target_modules")
+        if any(getattr(lora, f) != getattr(defaults, f) for f in fields):
             raise ConfigError("config keys 'model.lora.*' apply to LoRA training: set model.lora.rank > 0")
         return
     if lora.alpha <= 0:
         raise ConfigError(f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"config key 'model.lora.dropout' must be in [0, 1), got {lora.dropout}")
+    if lora.lr_ratio <= 0:
+        raise ConfigError(f"config key 'model.lora.lr_ratio' must be > 0, got {lora.lr_ratio}")
     if not lora.target_modules:
         raise ConfigError("config key 'model.lora.target_modules' must name at least one module")
     if model.ref_path:

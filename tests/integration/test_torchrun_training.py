@@ -84,7 +84,7 @@ def test_two_rank_lora_training_exports_merged_model_and_adapter(zero_stage, tin
 
     (tmp_path / "recipe.py").write_text(RECIPE)
     config = {
-        "model": {"path": tiny_vl, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}},
+        "model": {"path": tiny_vl, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1, "lr_ratio": 4}},  # LoRA+ groups
         "data": {"train_path": str(colour_data / "train.jsonl")},
         "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6},
         "algo": {"kl": {"coef": 0.01}},

@@ -102,6 +102,8 @@ def test_the_patch_embedding_conv_takes_an_adapter_and_merges_exactly(tiny_vl, m
     (["model.lora.rank=-1"], "'model.lora.rank' must be >= 0"),
     (["model.lora.alpha=32"], r"'model.lora.\*' apply to LoRA training"),
     (["model.lora.rank=8", "model.lora.dropout=1.0"], r"'model.lora.dropout' must be in \[0, 1\)"),
+    (["model.lora.lr_ratio=16"], r"'model.lora.\*' apply to LoRA training"),
+    (["model.lora.rank=8", "model.lora.lr_ratio=0"], "'model.lora.lr_ratio' must be > 0"),
     (["model.lora.rank=8", "model.lora.target_modules=[]"], "must name at least one module"),
     (["model.lora.rank=8", "model.ref_path=/x"], "'model.ref_path' cannot be combined with model.lora"),
     (["model.lora.rank=8", "algo.kl.coef=0.1", "algo.kl.ref_ema_eta=0.1"], "'algo.kl.ref_ema_eta' cannot be combined"),
@@ -164,3 +166,23 @@ def test_lora_checkpoint_resumes_the_adapters(tiny_text, addition_data, tmp_path
             assert torch.equal(p, adapters[name]), name
     metrics = resumed.train_step()
     assert metrics["train/grad_norm"] > 0
+
+
+def test_lora_plus_moves_the_b_matrices_at_lr_times_the_ratio(tiny_text, addition_data, tmp_path, world_of_one):
+    trainer = build(tiny_text, addition_data, tmp_path, [
+        "model.lora.rank=4", "model.lora.lr_ratio=8", "train.lr=0.01", "train.weight_decay=0.0",
+        "train.lr_schedule=cosine", "train.total_steps=4", "eval.every_steps=0",
+    ])
+    policy = trainer.backend.module
+    before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    trainer.train_step()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in policy.named_parameters() if p.requires_grad}
+    # Adam's first step moves an element by lr * g / (|g| + eps), about lr. B starts at 0, so
+    # only B has a gradient in step 1: B by 0.01 x 8, A not at all.
+    b_moves = [m for n, m in moved.items() if "lora_B" in n]
+    assert b_moves and all(m == pytest.approx(0.08, rel=0.01) for m in b_moves)
+    assert all(m == 0 for n, m in moved.items() if "lora_A" in n)
+    # The schedule scales both groups alike: B's lr stays 8x A's (train.lr's) as it decays.
+    trainer.train_step()
+    a_lr, b_lr = (g["lr"] for g in trainer.backend.engine.optimizer.param_groups)
+    assert a_lr < 0.01 and b_lr == pytest.approx(8 * a_lr) and trainer.backend.lr == a_lr

@@ -78,9 +78,12 @@ class DeepSpeedBackend:
         warmup_steps: int = 0,
         offload: str = "none",
         bf16_weights: bool = False,
+        param_groups: list[dict] | None = None,
     ):
+        """`param_groups`: torch optimizer groups with their own "lr" (LoRA+); group 0's lr is
+        the one reported. Default: every trainable parameter at `lr`."""
         config = deepspeed_config(zero_stage, grad_clip, offload, bf16_weights)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = param_groups or [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
 
         def schedule(opt):
             return lr_scheduler(opt, lr_schedule, warmup_steps, total_optimizer_steps)

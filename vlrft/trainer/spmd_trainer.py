@@ -39,7 +39,7 @@ from vlrft.models.loader import (
     stop_token_ids,
     vision_tower,
 )
-from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights
+from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights, optimizer_groups
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
@@ -116,7 +116,7 @@ class SPMDTrainer:
                 self.bad_input,
             )
 
-        def backend(model: torch.nn.Module, lr: float) -> DeepSpeedBackend:
+        def backend(model: torch.nn.Module, lr: float, param_groups: list[dict] | None = None) -> DeepSpeedBackend:
             return DeepSpeedBackend(
                 model,
                 lr=lr,
@@ -129,6 +129,7 @@ class SPMDTrainer:
                 offload=cfg.train.offload,
                 # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
                 bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,
+                param_groups=param_groups,
             )
 
         attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
@@ -166,7 +167,8 @@ class SPMDTrainer:
             total = sum(p.numel() for p in policy.parameters())
             print(f"vlrft: LoRA on {len(self.lora_scalings)} layers: {trainable} of {total} parameters train (model.lora)")
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
-        self.backend = backend(policy, cfg.train.lr)
+        groups = optimizer_groups(policy, cfg.train.lr, cfg.model.lora.lr_ratio) if self.lora_scalings else None
+        self.backend = backend(policy, cfg.train.lr, groups)
         self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
         self.reference = None
         if cfg.algo.kl.coef > 0:

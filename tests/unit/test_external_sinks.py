@@ -158,3 +158,17 @@ def test_importing_the_sinks_imports_neither_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_console_bar_is_drawn_at_the_first_metrics_only(capsys):
+    from vlrft.metrics.sinks import ConsoleSink
+
+    unused = ConsoleSink(total_steps=50)  # a trainer built and never run (tests, the step API)
+    unused.close()
+    assert capsys.readouterr().err == ""
+    console = ConsoleSink(total_steps=3)
+    for step, metrics in WRITES:
+        console.write(step, metrics)
+    console.close()
+    out = capsys.readouterr()
+    assert "step    2  held-out accuracy 0.625" in out.out and "3/3" in out.err

@@ -27,9 +27,12 @@ class ConsoleSink:
     KEYS = {"rollout/reward_mean": "reward", "train/kl": "kl", "rollout/response_length": "len"}
 
     def __init__(self, total_steps: int, start_step: int = 0):
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="vlrft", unit="step", dynamic_ncols=True)
+        self.total_steps, self.start_step = total_steps, start_step
+        self.bar: tqdm | None = None  # drawn at the first metrics: a trainer that never logs draws none
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="vlrft", unit="step", dynamic_ncols=True)
         if "eval/accuracy" in metrics:
             self.bar.write(f"step {step:4d}  held-out accuracy {metrics['eval/accuracy']:.3f}")
         if "rollout/reward_mean" in metrics:
@@ -37,7 +40,8 @@ class ConsoleSink:
             self.bar.update(1)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class MetricsLogger:

@@ -1,5 +1,6 @@
 """data_tools/rl_probe.py: the answer-token GRPO bench builds the trainer's loss."""
 
+import pytest
 import torch
 
 from data_tools.rl_probe import first_step_at, grpo_loss, main
@@ -46,3 +47,16 @@ def test_one_step_runs_on_the_tiny_model(tiny_vl, colour_data, capsys):
           "--kl-coef", "0.01", "--entropy-coef", "0.01"])
     line = capsys.readouterr().out
     assert line.startswith("seed 0: 0:") and " 1:" in line and ">= 0.9 at step" in line
+
+
+def test_a_lora_plus_policy_trains_only_its_adapters(tiny_vl, colour_data, capsys, monkeypatch):
+    import data_tools.rl_probe as rl_probe
+
+    optimizers = []
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(rl_probe.torch.optim, "AdamW", lambda *a, **kw: optimizers.append(adamw(*a, **kw)) or optimizers[-1])
+    main(["--model", tiny_vl, "--data", str(colour_data), "--steps", "1", "--prompts", "2", "--samples", "2",
+          "--lr", "0.001", "--lora-rank", "4", "--lora-lr-ratio", "8", "--lora-targets", "q_proj", "v_proj"])
+    assert capsys.readouterr().out.startswith("seed 0: 0:")
+    a, b = optimizers[0].param_groups  # the A matrices at --lr, the B matrices 8x
+    assert b["lr"] == pytest.approx(8 * a["lr"]) and len(a["params"]) == len(b["params"]) == 4

@@ -15,7 +15,6 @@ from transformers import TopPLogitsWarper
 
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
-from vlrft.engines.kv_cache import decoding_cache
 from vlrft.models.collate import concat_mm_inputs, mm_token_type_ids
 from vlrft.models.packing import prompt_positions
 from vlrft.models.attention import decoder_autocast
@@ -101,12 +100,12 @@ class HFEngine:
         start = positions.amax(dim=(0, 2) if positions.dim() == 3 else -1, keepdim=True)  # [B, 1] / [1, B, 1]
         next_position = (start.expand(3, -1, -1) if positions.dim() == 3 else start).to(here) + 1
         attention_mask = attention_mask.to(here)
-        cache = decoding_cache(self.model.config, width + params.max_new_tokens)
         with decoder_autocast(self.model):
             out = self.model(
                 input_ids=input_ids.to(here), attention_mask=attention_mask, position_ids=positions.to(here),
-                past_key_values=cache, use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
+                use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
             )
+            cache = out.past_key_values
             for step in range(params.max_new_tokens):
                 token, logprob = self._sample(out.logits[:, -1], params)
                 tokens[running, step], logprobs[running, step] = token, logprob

@@ -36,7 +36,8 @@ class LoraConfig:
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter input, in the update's forwards only
     # LoRA+: the B matrices learn at train.lr x lr_ratio, the A matrices at train.lr. With B
-    # starting at zero, plain LoRA (1) moves the product B·A slowly at first; 16-32 is usual.
+    # starting at zero, plain LoRA (1) moves the product B·A slowly at first; the LoRA+ paper
+    # suggests 16.
     lr_ratio: float = 1.0
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 

@@ -9,7 +9,7 @@ from peft import PeftModel
 from vlrft.config import ConfigError, load_config
 from vlrft.models.forward import token_logprobs
 from vlrft.models.loader import load_model
-from vlrft.models.lora import BaseModelView, add_lora, adapters_disabled, dropout_active, merged_weights
+from vlrft.models.lora import BaseModelView, add_lora, adapters_disabled, dropout_active, merged_weights, optimizer_groups
 from vlrft.models.packing import pack
 
 from tests.unit.test_freeze_vision import build
@@ -186,3 +186,5 @@ def test_lora_plus_moves_the_b_matrices_at_lr_times_the_ratio(tiny_text, additio
     trainer.train_step()
     a_lr, b_lr = (g["lr"] for g in trainer.backend.engine.optimizer.param_groups)
     assert a_lr < 0.01 and b_lr == pytest.approx(8 * a_lr) and trainer.backend.lr == a_lr
+    # Plain LoRA keeps one group, as its checkpoints (written before lr_ratio existed) have.
+    assert [len(g["params"]) for g in optimizer_groups(policy, 0.01, 1.0)] == [len(moved)]

@@ -60,10 +60,13 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, ta
 
 def optimizer_groups(model: torch.nn.Module, lr: float, lr_ratio: float) -> list[dict]:
     """LoRA+ (Hayou et al., 2024) parameter groups: the B matrices at `lr * lr_ratio`, every other
-    trainable parameter (the A matrices) at `lr`, in that order (group 0 carries train.lr).
+    trainable parameter (the A matrices) at `lr`, in that order (group 0 carries train.lr); one
+    group at ratio 1 (plain LoRA, whose checkpoints hold one group).
     B starts at zero, so at first only B moves and B·A grows at the rate B does; a faster B
     learns features sooner, before GRPO's sampling has locked onto one answer (README, "LoRA")."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if lr_ratio == 1:
+        return [{"params": [p for _, p in trainable], "lr": lr}]
     a = [p for n, p in trainable if ".lora_B." not in n]
     b = [p for n, p in trainable if ".lora_B." in n]
     return [{"params": a, "lr": lr}] + ([{"params": b, "lr": lr * lr_ratio}] if b else [])

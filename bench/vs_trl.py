@@ -226,17 +226,23 @@ def run_vlrft(model: str, data: str, steps: int, out: Path, engine: str, threads
     }
 
 
+def bound_prompts(tokenizer, data: str) -> list[str]:
+    """The first step's prompts, as chat-template text (the bound's and vLLM's generate)."""
+    from vlrft.data.dataset import user_text
+
+    rows = [json.loads(line) for line in open(data)][:PROMPTS_PER_STEP]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": user_text(r["messages"])}], tokenize=False,
+                                          add_generation_prompt=True) for r in rows]
+
+
 def run_bound(model: str, data: str) -> dict:
     """Generate 32 x 64 tokens, one no-grad forward and one forward + backward of them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from vlrft.data.dataset import user_text
-
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    rows = [json.loads(line) for line in open(data)][:PROMPTS_PER_STEP]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": user_text(r["messages"])}], tokenize=False, add_generation_prompt=True) for r in rows]
+    texts = bound_prompts(tokenizer, data)
     tokenizer.padding_side = "left"
     batch = tokenizer([t for t in texts for _ in range(SAMPLES)], return_tensors="pt", padding=True)
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=tokenizer.pad_token_id)
@@ -279,15 +285,8 @@ def run_vllm_generate(model: str, data: str) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vlrft.data.dataset import user_text
-
     tokenizer = AutoTokenizer.from_pretrained(model)
-    rows = [json.loads(line) for line in open(data)][:PROMPTS_PER_STEP]
-    prompts = [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": user_text(r["messages"])}],
-                                                           add_generation_prompt=True, return_dict=True)["input_ids"]}
-        for r in rows
-    ]
+    prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]} for text in bound_prompts(tokenizer, data)]
     llm = LLM(model=model, dtype="float32", max_model_len=512, gpu_memory_utilization=0.1, seed=0,
               enforce_eager=not torch.cuda.is_available(), generation_config="vllm")
     sampling = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)

@@ -1,4 +1,5 @@
-"""Config -> the loop's parts: reward shaper, advantage options, KL controller, maker settings."""
+"""Config -> the loop's parts: reward shaper, advantage options, KL controller, maker settings,
+training backends."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from vlrft.algo.estimate import AdvantageOptions
 from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
-from vlrft.config import Config, kl_estimator_name
+from vlrft.config import Config, kl_estimator_name, optimizer_steps_of_run
 from vlrft.distributed import device
 from vlrft.engines import SamplingParams
 from vlrft.models.loader import load_model
@@ -121,3 +122,23 @@ def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
     weights = "bfloat16" if precision[1] == "bfloat16" and cfg.algo.kl.ref_ema_eta == 0 else "float32"
     model = load_model(cfg.model.ref_path or cfg.model.path, *precision, weights_dtype=weights)
     return model.eval().requires_grad_(False).to(device())
+
+
+def training_backend(cfg: Config, model: torch.nn.Module, lr: float, param_groups: list[dict] | None = None):
+    """DeepSpeed around `model` (policy or critic) with the run's optimizer settings."""
+    from vlrft.backends.deepspeed_backend import DeepSpeedBackend  # heavy import, only here
+
+    return DeepSpeedBackend(
+        model,
+        lr=lr,
+        weight_decay=cfg.train.weight_decay,
+        grad_clip=cfg.train.grad_clip,
+        zero_stage=cfg.train.zero_stage,
+        lr_schedule=cfg.train.lr_schedule,
+        total_optimizer_steps=optimizer_steps_of_run(cfg),
+        warmup_steps=cfg.train.warmup_steps,
+        offload=cfg.train.offload,
+        # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
+        bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,
+        param_groups=param_groups,
+    )

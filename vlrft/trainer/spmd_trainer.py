@@ -15,7 +15,7 @@ import torch
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
-from vlrft.config import Config, optimizer_steps_of_run, to_dict
+from vlrft.config import Config, to_dict
 from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
@@ -43,7 +43,14 @@ from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lo
 from vlrft.models.value_model import load_value_model
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
-from vlrft.trainer.build import kl_controller, load_reference, maker_settings, multi_turn, reward_shaper
+from vlrft.trainer.build import (
+    kl_controller,
+    load_reference,
+    maker_settings,
+    multi_turn,
+    reward_shaper,
+    training_backend,
+)
 from vlrft.trainer.checkpoint import (
     changed_state_keys,
     cpu_state_dict,
@@ -88,8 +95,6 @@ class SPMDTrainer:
     def __init__(self, cfg: Config):
         from transformers.utils import logging as hf_logging
 
-        from vlrft.backends.deepspeed_backend import DeepSpeedBackend  # heavy import, only here
-
         hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
@@ -114,22 +119,6 @@ class SPMDTrainer:
             self.ptx = PtxStream(
                 cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0],
                 self.bad_input,
-            )
-
-        def backend(model: torch.nn.Module, lr: float, param_groups: list[dict] | None = None) -> DeepSpeedBackend:
-            return DeepSpeedBackend(
-                model,
-                lr=lr,
-                weight_decay=cfg.train.weight_decay,
-                grad_clip=cfg.train.grad_clip,
-                zero_stage=cfg.train.zero_stage,
-                lr_schedule=cfg.train.lr_schedule,
-                total_optimizer_steps=optimizer_steps_of_run(cfg),
-                warmup_steps=cfg.train.warmup_steps,
-                offload=cfg.train.offload,
-                # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
-                bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,
-                param_groups=param_groups,
             )
 
         attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
@@ -168,8 +157,8 @@ class SPMDTrainer:
             print(f"vlrft: LoRA on {len(self.lora_scalings)} layers: {trainable} of {total} parameters train (model.lora)")
         self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
         groups = optimizer_groups(policy, cfg.train.lr, cfg.model.lora.lr_ratio) if self.lora_scalings else None
-        self.backend = backend(policy, cfg.train.lr, groups)
-        self.critic = backend(critic, cfg.critic.lr) if critic is not None else None
+        self.backend = training_backend(cfg, policy, cfg.train.lr, groups)
+        self.critic = training_backend(cfg, critic, cfg.critic.lr) if critic is not None else None
         self.reference = None
         if cfg.algo.kl.coef > 0:
             # A LoRA policy's reference is its own base weights (adapters off): no second copy.

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Wheels for a CUDA machine that cannot reach a package index but already has PyTorch (a
+# cluster image, an air-gapped node): vlrft's dependencies such images usually lack, at the
+# versions installed here (the ones CI tests), built or downloaded on a machine with an index.
+#
+#   bash tests/gpu/wheelhouse.sh [DIR] [PYTHON_VERSION]      # default: .whl 3.12
+#
+# On the GPU machine (tests/gpu/run_all.sh does this when it finds DIR):
+#   pip install --no-index --no-deps --target /tmp/site DIR/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+# Packages come without their own dependencies (`--no-deps`): the list names each one the
+# image lacks. DeepSpeed publishes only a source archive; it is built here into a pure-Python
+# wheel (no prebuilt ops: it picks CUDA at run time).
+set -euo pipefail
+dir=${1:-.whl} python_version=${2:-3.12}
+cd "$(dirname "$0")/../.."
+# transformers: images often hold an older one (vlrft needs >= 5.19). deepspeed and its
+# needs (hjson, pydantic and pydantic's own). datasets and its needs (parquet and HF data
+# sets as training data). peft: LoRA policies.
+packages=(transformers deepspeed hjson pydantic pydantic_core annotated-types typing-inspection
+          datasets dill multiprocess peft)
+mkdir -p "$dir"
+pinned=()
+for name in "${packages[@]}"; do
+    version=$(python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") || {
+        echo "wheelhouse: $name is not installed here: pip install -e '.[dev]' first" >&2; exit 1; }
+    if [ "$name" = deepspeed ]; then
+        DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w "$dir" "deepspeed==$version"
+    else
+        pinned+=("$name==$version")
+    fi
+done
+platforms=()
+for n in 17 27 28 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+python -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
+    "${platforms[@]}" --platform manylinux2014_x86_64 -d "$dir" "${pinned[@]}"
+du -sh "$dir"
+ls "$dir"

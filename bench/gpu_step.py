@@ -11,6 +11,13 @@ of `--budget` tokens through `policy_forward` (varlen attention, chunked LM head
 tokens), a token-mean policy-gradient loss, backward and optimizer step. Rollouts have a
 256-token prompt and response lengths skewed between 64 and 1024 tokens.
 
+Memory: activations without checkpointing are ~96 KB per token and decoder layer at the 1.5B
+shape (bf16, saved-tensor bytes counted on CPU), so the default 8192-token micro-batch holds
+~22 GB at 28 layers; ZeRO-2 keeps ~20 bytes per parameter (fp32 weights, DeepSpeed's fp32
+copy, gradients, Adam's two states): 44 GB for the 2.2B parameters with the vision tower.
+16384 tokens would not fit an 80 GB card without checkpointing. Each setting runs in a process
+of its own; one that runs out of memory prints a "failed" line and the others go on.
+
 Printed per setting: update tokens/s, MFU and peak GPU memory. MFU counts model FLOPs (a
 checkpointed layer's recomputation is not counted): 6 x (decoder matmul parameters) per token,
 plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per sequence of length s (QK^T and AV,
@@ -22,6 +29,8 @@ throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 
 import torch
@@ -42,6 +51,9 @@ SHAPES = {
     "1.5B": (1536, 28, 12, 2, 8960),
     "3B": (2048, 36, 16, 2, 11008),
 }
+# Qwen2.5-VL's vision tower (0.67B, the same at every size). Left to transformers' defaults it
+# would be 3B: a "1.5B" model of 4.6B parameters.
+VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16}
 VOCAB = 151_936
 PROMPT_TOKENS = 256
 
@@ -53,8 +65,8 @@ def build_model(shape: str, attention: str, compute_dtype: str, device: str) -> 
     text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                 intermediate_size=mlp, vocab_size=VOCAB, max_position_embeddings=32768,
                 rope_scaling={"type": "mrope", "mrope_section": [head_dim // 2 - 2 * section, section, section]})
-    vision = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 4, "out_hidden_size": hidden} \
-        if shape == "tiny" else {"out_hidden_size": hidden}
+    vision = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 4} if shape == "tiny" else VISION
+    vision = {**vision, "out_hidden_size": hidden}
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)  # as Qwen2.5 up to 3B
     config._attn_implementation = attention
     with torch.device(device):
@@ -148,6 +160,15 @@ def bench_rollout(shape, args) -> str:
     return f"{shape:>5} HF engine rollout  {generated} tokens in {seconds:.2f} s = {generated / seconds:8.0f} tokens/s"
 
 
+def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", only: str = "update") -> list[str]:
+    """This script, measuring one setting in a process of its own."""
+    return [sys.executable, __file__, "--only", only, "--shapes", shape, "--zero", str(zero), "--checkpointing",
+            checkpointing, "--device", args.device, "--attention", args.attention, "--compute-dtype", args.compute_dtype,
+            "--samples", str(args.samples), "--budget", str(args.budget), "--repeats", str(args.repeats),
+            "--peak-tflops", str(args.peak_tflops), "--rollout-prompts", str(args.rollout_prompts),
+            "--new-tokens", str(args.new_tokens)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B"], choices=list(SHAPES))
@@ -157,23 +178,35 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="model.attention (auto picks a varlen kernel on GPU)")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=list(COMPUTE_DTYPES))
     parser.add_argument("--samples", type=int, default=64, help="rollouts per update")
-    parser.add_argument("--budget", type=int, default=16384, help="micro_batch_tokens")
+    parser.add_argument("--budget", type=int, default=8192, help="micro_batch_tokens")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H100 SXM bf16: 989)")
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--only", choices=["update", "rollout"], help=argparse.SUPPRESS)  # one setting (a child)
     args = parser.parse_args()
-    init_distributed()  # a world of one: DeepSpeed needs a process group
-    args.attention_impl = resolve_attention(args.attention, args.compute_dtype)
-    print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, attention {args.attention_impl}, "
-          f"compute {args.compute_dtype}, {args.samples} rollouts/update, budget {args.budget} tokens", flush=True)
+    if args.only:
+        init_distributed()  # a world of one: DeepSpeed needs a process group
+        args.attention_impl = resolve_attention(args.attention, args.compute_dtype)
+        shape = args.shapes[0]
+        print(bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args) if args.only == "update"
+              else bench_rollout(shape, args), flush=True)
+        exit_process()
+    print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, attention "
+          f"{resolve_attention(args.attention, args.compute_dtype)}, compute {args.compute_dtype}, "
+          f"{args.samples} rollouts/update, budget {args.budget} tokens", flush=True)
+    # Each setting in a fresh process: DeepSpeed keeps a ZeRO-3 engine's parameters referenced
+    # after it is deleted, so in one process a setting would start with its predecessor's memory;
+    # and one setting's out-of-memory ends only its own line.
     for shape in args.shapes:
-        for zero in args.zero:
-            for checkpointing in args.checkpointing:
-                print(bench_update(shape, zero, checkpointing == "on", args), flush=True)
-        print(bench_rollout(shape, args), flush=True)
+        settings = [(zero, ckpt) for zero in args.zero for ckpt in args.checkpointing]
+        commands = [child_command(args, shape, zero, ckpt) for zero, ckpt in settings]
+        commands.append(child_command(args, shape, only="rollout"))
+        for command in commands:
+            done = subprocess.run(command)
+            if done.returncode:
+                print(f"{shape:>5} {' '.join(command[3:4] + command[6:10])}: failed (exit status {done.returncode})", flush=True)
 
 
 if __name__ == "__main__":
     main()
-    exit_process()

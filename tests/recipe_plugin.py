@@ -1,4 +1,6 @@
-"""Build and pip-install a one-module reward-recipe plugin package (tests only)."""
+"""Build and pip-install a one-module reward-recipe plugin package (tests only). Built with the
+installed setuptools (no build isolation, so no index is needed): the dev extra asks for 70.1+,
+the first that builds wheels without the `wheel` package (a Python 3.11 venv brings 65)."""
 
 import subprocess
 import sys
@@ -13,7 +15,7 @@ def install_recipe_plugin(tmp_path: Path, package: str, recipe: str, source: str
     (src / package).mkdir(parents=True)
     (src / package / "__init__.py").write_text(source)
     (src / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[build-system]\nrequires = ["setuptools>=70.1"]\nbuild-backend = "setuptools.build_meta"\n'
         f'[project]\nname = "{package.replace("_", "-")}"\nversion = "0.1"\n'
         f'[project.entry-points."vlrft.reward_recipes"]\n{recipe} = "{package}:{recipe}"\n'
     )

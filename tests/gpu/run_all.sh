@@ -19,10 +19,12 @@ for part in "$@"; do  # a typo fails now, not after an hour of the parts before 
 done
 log_dir=${LOG_DIR:-runs/gpu}
 mkdir -p "$log_dir"
+# The checkout itself is imported from here (bench/ and the launcher run it without an install).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 wheels=${WHEELS:-.whl}
 if [ -d "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl
-    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if ! command -v python >/dev/null; then  # images that only name python3 (the launcher calls python)

@@ -53,10 +53,13 @@ def test_one_update_of_a_1_5b_shaped_vl_policy_with_checkpointing_and_packing(wo
 
     text = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                 intermediate_size=8960, vocab_size=151936, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    config = Qwen2_5_VLConfig(text_config=text, vision_config={"out_hidden_size": 1536}, tie_word_embeddings=True)
+    # Qwen2.5-VL's own vision tower (0.67B; transformers' defaults would make it 3B): 2.2B in all.
+    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 1536}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
     config._attn_implementation = resolve_attention("auto", "bfloat16")
     with torch.device("cuda"):
         model = Qwen2_5_VLForConditionalGeneration(config)
+    assert 2.1e9 < sum(p.numel() for p in model.parameters()) < 2.3e9
     model.config.use_cache = False
     model.compute_dtype = COMPUTE_DTYPES["bfloat16"]
     assert enable_gradient_checkpointing(model) >= 28

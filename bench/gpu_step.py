@@ -24,6 +24,7 @@ plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per sequence of length s
 forward and backward), plus the LM head 6 x hidden x vocab per response token, divided by the
 update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
 throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens.
+Last, whether pinned host memory pays for moving a VL update's pixel inputs to the GPU.
 """
 
 from __future__ import annotations
@@ -160,6 +161,37 @@ def bench_rollout(shape, args) -> str:
     return f"{shape:>5} HF engine rollout  {generated} tokens in {seconds:.2f} s = {generated / seconds:8.0f} tokens/s"
 
 
+PATCHES_PER_IMAGE = 5184  # a 1008 x 1008 image: 72 x 72 patches of 14 x 14 (1,296 tokens after the 2 x 2 merge)
+
+
+def bench_transfer(args) -> str:
+    """Host-to-device time of one update's pixel inputs (`--samples` images of ~1M pixels, fp32
+    patches of 3 x 2 x 14 x 14 = 1,176 values), from pageable memory and from pinned memory; the
+    update moves each micro-batch's share the same way. Token ids and per-token floats are a
+    few hundred KB per micro-batch and are not worth timing."""
+    if args.device != "cuda":
+        return "host-to-device copies: measured on a GPU only"
+    pixels = torch.randn(args.samples * PATCHES_PER_IMAGE, 1176)
+
+    def seconds(copy) -> float:
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    pageable = seconds(lambda: pixels.to("cuda"))
+    start = time.perf_counter()
+    pinned = pixels.pin_memory()
+    pinning = time.perf_counter() - start
+    from_pinned = seconds(lambda: pinned.to("cuda", non_blocking=True))
+    return (f"pixel inputs of {args.samples} images, {pixels.nbytes / 2**30:.2f} GiB per update: pageable "
+            f"{1e3 * pageable:.0f} ms, pinned {1e3 * from_pinned:.0f} ms (pinning them: {1e3 * pinning:.0f} ms)")
+
+
 def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", only: str = "update") -> list[str]:
     """This script, measuring one setting in a process of its own."""
     return [sys.executable, __file__, "--only", only, "--shapes", shape, "--zero", str(zero), "--checkpointing",
@@ -183,14 +215,17 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H100 SXM bf16: 989)")
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--only", choices=["update", "rollout"], help=argparse.SUPPRESS)  # one setting (a child)
+    parser.add_argument("--only", choices=["update", "rollout", "transfer"], help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.only:
         init_distributed()  # a world of one: DeepSpeed needs a process group
         args.attention_impl = resolve_attention(args.attention, args.compute_dtype)
         shape = args.shapes[0]
-        print(bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args) if args.only == "update"
-              else bench_rollout(shape, args), flush=True)
+        if args.only == "transfer":
+            print(bench_transfer(args), flush=True)
+        else:
+            print(bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args) if args.only == "update"
+                  else bench_rollout(shape, args), flush=True)
         exit_process()
     print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, attention "
           f"{resolve_attention(args.attention, args.compute_dtype)}, compute {args.compute_dtype}, "
@@ -203,9 +238,14 @@ def main() -> None:
         commands = [child_command(args, shape, zero, ckpt) for zero, ckpt in settings]
         commands.append(child_command(args, shape, only="rollout"))
         for command in commands:
-            done = subprocess.run(command)
-            if done.returncode:
-                print(f"{shape:>5} {' '.join(command[3:4] + command[6:10])}: failed (exit status {done.returncode})", flush=True)
+            run_child(command, shape)
+    run_child(child_command(args, args.shapes[0], only="transfer"), "")
+
+
+def run_child(command: list[str], shape: str) -> None:
+    done = subprocess.run(command)
+    if done.returncode:
+        print(f"{shape:>5} {' '.join(command[3:4] + command[6:10])}: failed (exit status {done.returncode})", flush=True)
 
 
 if __name__ == "__main__":

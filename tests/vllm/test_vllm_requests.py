@@ -1,5 +1,6 @@
 """The vLLM engine's pure parts, without vllm: request construction (text and images), sampling
-parameters, tensor-parallel groups, checkpoint-format weight streams and ZeRO-3 gather buckets."""
+parameters, tensor-parallel groups, checkpoint-format weight streams, ZeRO-3 gather buckets and
+the memory-fraction check."""
 
 import pytest
 import torch
@@ -9,7 +10,14 @@ from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import load_rows
 from vlrft.data.encoding import IMAGE_PAD, PromptEncoder
 from vlrft.engines.base import SamplingParams
-from vlrft.engines.vllm_engine import EngineSetupError, checkpoint_format, request_for, tp_groups, vllm_sampling_kwargs
+from vlrft.engines.vllm_engine import (
+    EngineSetupError,
+    checkpoint_format,
+    memory_fraction_problem,
+    request_for,
+    tp_groups,
+    vllm_sampling_kwargs,
+)
 from vlrft.models.loader import tied_parameter_aliases
 
 
@@ -75,6 +83,16 @@ def test_engine_config_is_validated(tmp_path):
         load_config(None, base + ["rollout.engine=vllm", "rollout.vllm_memory_fraction=1.5"])
     cfg = load_config(None, base + ["rollout.engine=vllm", "rollout.engine_tp_size=2"])
     assert cfg.rollout.engine == "vllm" and cfg.rollout.engine_tp_size == 2
+
+
+def test_a_memory_fraction_the_training_models_leave_no_room_for_is_refused_with_the_numbers():
+    gib = 2**30
+    assert memory_fraction_problem(0.5, free_bytes=40 * gib, total_bytes=80 * gib) == ""
+    assert memory_fraction_problem(0.6, free_bytes=int(47.2 * gib), total_bytes=80 * gib) == (
+        "config key 'rollout.vllm_memory_fraction' (0.6) asks vLLM for 48.0 GiB of the GPU's 80.0 GiB, but the "
+        "training models leave 47.2 GiB free: set it to at most 0.59 (or shard them more: train.zero_stage 3, "
+        "train.offload)"
+    )
 
 
 def test_missing_vllm_is_a_one_line_setup_error(monkeypatch, world_of_one):

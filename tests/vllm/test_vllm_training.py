@@ -56,6 +56,8 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
     torchrun([str(WORKER), str(tmp_path / "result.json"), *overrides], tmp_path)
     results = json.loads((tmp_path / "result.json").read_text())
     assert [r["rank"] for r in results] == [0, 1]
+    # The ranks of a TP group keep their own random streams past vLLM's start (it seeds both alike).
+    assert results[0]["torch_stream"] != results[1]["torch_stream"]
     for r in results:
         assert r["engine_dtype"] == f"torch.{dtype}", r
         assert r["diff_to_trained"] <= TOLERANCE[dtype], r

@@ -4,6 +4,7 @@ with the exported (final/) policy's and with the initial checkpoint's.
 Usage: vllm_sync_worker.py OUT_JSON override [override ...]; rank 0 writes OUT_JSON.
 """
 
+import hashlib
 import json
 import sys
 
@@ -36,6 +37,8 @@ def main(out_file: str, overrides: list[str]) -> None:
 
     cfg = load_config(None, overrides)
     trainer = SPMDTrainer(cfg)
+    # Each rank's torch stream after start-up (vLLM reseeds every generator as it starts).
+    torch_stream = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
     trainer.train()  # ends with the HF export to output.dir/final (collective)
     # The same fixed sequences on every rank (a TP group must send identical requests): a
     # training prompt followed by arbitrary response tokens.
@@ -45,6 +48,7 @@ def main(out_file: str, overrides: list[str]) -> None:
     trained, initial = load_model(f"{cfg.output.dir}/final"), load_model(cfg.model.path)
     result = {
         "rank": dist.get_rank(),
+        "torch_stream": torch_stream,
         "engine_dtype": str(trainer.engine.llm.llm_engine.model_config.dtype),
         "diff_to_trained": max(float((s - hf_logprobs(trained, q)).abs().max()) for s, q in zip(served, sequences)),
         "diff_to_initial": max(float((s - hf_logprobs(initial, q)).abs().max()) for s, q in zip(served, sequences)),

@@ -4,6 +4,7 @@ construction and the group arithmetic are testable without it)."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Iterable, Iterator
@@ -39,6 +40,19 @@ def request_seeds(base: int | None, group_index: int, count: int) -> list[int | 
     """One seed per request of a generate call: from the call's base seed, the TP group and the
     request's position in the group's request list (identical on every rank of the group)."""
     return [None if base is None else derived_seed(base, group_index, i) for i in range(count)]
+
+
+def memory_fraction_problem(fraction: float, free_bytes: int, total_bytes: int) -> str:
+    """Why vLLM would refuse `rollout.vllm_memory_fraction` on this GPU ("" when it fits). vLLM
+    asks for `fraction x total` (weights, activations and KV cache) and stops unless that much
+    is free when it starts; the training models built before it are not subtracted."""
+    if free_bytes >= fraction * total_bytes:
+        return ""
+    gib = 2**30
+    return (f"config key 'rollout.vllm_memory_fraction' ({fraction}) asks vLLM for {fraction * total_bytes / gib:.1f} "
+            f"GiB of the GPU's {total_bytes / gib:.1f} GiB, but the training models leave {free_bytes / gib:.1f} GiB "
+            f"free: set it to at most {math.floor(round(100 * free_bytes / total_bytes, 6)) / 100} (or shard them more: "
+            "train.zero_stage 3, train.offload)")
 
 
 def vision_unsupported_reason() -> str | None:
@@ -135,6 +149,8 @@ class VLLMEngine:
         self.banned_ids = banned_ids
         # Sleep mode frees accelerator memory for training; it needs a GPU.
         self.can_sleep = torch.cuda.is_available()
+        if self.can_sleep and (problem := memory_fraction_problem(memory_fraction, *torch.cuda.mem_get_info())):
+            raise EngineSetupError(problem)
         self._said_no_sleep = False
         self._cache_asleep = False
         self.llm = LLM(
@@ -197,6 +213,10 @@ class VLLMEngine:
         weights = checkpoint_format(named_tensors, self.aliases)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        # Likewise cached image features: reload_weights drops the runner's copies but not the
+        # scheduler's record of them (only a sleep clears both), so the next generate of a
+        # cached image would miss.
+        self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory (weights offloaded, KV cache dropped) for training."""

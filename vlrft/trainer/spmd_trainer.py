@@ -163,8 +163,11 @@ class SPMDTrainer:
         if cfg.algo.kl.coef > 0:
             # A LoRA policy's reference is its own base weights (adapters off): no second copy.
             self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
-        # Last of the models: a GPU engine sizes its memory budget from what is still free.
+        # Last of the models: vLLM starts only if its share of the GPU is still free. It reseeds
+        # every generator as it starts (seed + TP group): this rank keeps its own streams.
+        streams = rng_state()
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
+        set_rng_state(streams)
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None
         if cfg.critic.value_norm != "none":
@@ -262,6 +265,7 @@ class SPMDTrainer:
         cfg = self.cfg
         # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
+        self.engine.sleep()  # generation is done: the experience pass and update get its memory
         experiences, made_metrics = self.maker.finish(kept, placeholder)
         made = time.perf_counter()
         mark_correct(generated, self.rewards)
@@ -271,7 +275,6 @@ class SPMDTrainer:
         self.buffer.clear()
         self.buffer.add(experiences or [placeholder])
         self._check_rewards_not_all_zero(generated)
-        self.engine.sleep()  # the update needs the engine's accelerator memory
         if self.critic is not None:
             metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
         actor_updates = self.global_step > cfg.critic.freeze_actor_steps

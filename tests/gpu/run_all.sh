@@ -4,7 +4,7 @@
 # (default runs/gpu) as well as to the terminal.
 #
 #   bash tests/gpu/run_all.sh tests                 # pytest -m gpu tests/gpu
-#   bash tests/gpu/run_all.sh demo:float32:2 demo:bfloat16:2 demo:bfloat16:3   # dtype:ZeRO stage
+#   bash tests/gpu/run_all.sh demo:float32:2 demo:bfloat16:2 demo:bfloat16:3   # dtype:ZeRO stage[:seed]
 #   bash tests/gpu/run_all.sh bench:1.5B            # bench/gpu_step.py --shapes 1.5B
 #   bash tests/gpu/run_all.sh bench                 # every shape, ZeRO stage and checkpointing
 #
@@ -14,8 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for part in "$@"; do  # a typo fails now, not after an hour of the parts before it
-    [[ $part =~ ^(tests|demo(:(float32|bfloat16)(:[0-3])?)?|bench(:[^:]+)?)$ ]] || {
-        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO]], bench[:SHAPE])" >&2; exit 2; }
+    [[ $part =~ ^(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:]+)?)$ ]] || {
+        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE])" >&2; exit 2; }
 done
 log_dir=${LOG_DIR:-runs/gpu}
 mkdir -p "$log_dir"
@@ -36,16 +36,17 @@ transformers.__version__, 'deepspeed', deepspeed.__version__, 'GPU',
 torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tail -1
 
 for part in "$@"; do
-    IFS=: read -r what a b <<< "$part"
+    IFS=: read -r what a b c <<< "$part"
     start=$(date +%s)
     case $what in
         tests)
             python3 -m pytest -m gpu tests/gpu -v -rs 2>&1 | tee "$log_dir/tests.log" ;;
         demo)  # the full 100-step colour demo, one rank
-            dtype=${a:-bfloat16} zero=${b:-2}
+            dtype=${a:-bfloat16} zero=${b:-2} seed=${c:-0}
+            name=$dtype-zero$zero-seed$seed
             NPROC=1 bash examples/color_shapes/run.sh "model.compute_dtype=$dtype" "train.zero_stage=$zero" \
-                "output.dir=$PWD/runs/gpu-demo-$dtype-zero$zero" 2>&1 | tee "$log_dir/demo-$dtype-zero$zero.log"
-            cp "runs/gpu-demo-$dtype-zero$zero/metrics.jsonl" "$log_dir/metrics-$dtype-zero$zero.jsonl" ;;
+                "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" 2>&1 | tee "$log_dir/demo-$name.log"
+            cp "runs/gpu-demo-$name/metrics.jsonl" "$log_dir/metrics-$name.jsonl" ;;
         bench)
             python3 bench/gpu_step.py ${a:+--shapes "$a"} 2>&1 | tee "$log_dir/bench${a:+-$a}.log" ;;
     esac

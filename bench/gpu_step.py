@@ -234,18 +234,17 @@ def main() -> None:
     # after it is deleted, so in one process a setting would start with its predecessor's memory;
     # and one setting's out-of-memory ends only its own line.
     for shape in args.shapes:
-        settings = [(zero, ckpt) for zero in args.zero for ckpt in args.checkpointing]
-        commands = [child_command(args, shape, zero, ckpt) for zero, ckpt in settings]
-        commands.append(child_command(args, shape, only="rollout"))
-        for command in commands:
-            run_child(command, shape)
-    run_child(child_command(args, args.shapes[0], only="transfer"), "")
+        for zero in args.zero:
+            for ckpt in args.checkpointing:
+                run_child(child_command(args, shape, zero, ckpt), f"{shape:>5} ZeRO-{zero} checkpointing {ckpt}")
+        run_child(child_command(args, shape, only="rollout"), f"{shape:>5} HF engine rollout")
+    run_child(child_command(args, args.shapes[0], only="transfer"), "host-to-device copies")
 
 
-def run_child(command: list[str], shape: str) -> None:
+def run_child(command: list[str], label: str) -> None:
     done = subprocess.run(command)
     if done.returncode:
-        print(f"{shape:>5} {' '.join(command[3:4] + command[6:10])}: failed (exit status {done.returncode})", flush=True)
+        print(f"{label}: failed (exit status {done.returncode})", flush=True)
 
 
 if __name__ == "__main__":

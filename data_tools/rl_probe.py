@@ -86,7 +86,7 @@ def probe(args, seed: int, tokenizer, train: list[tuple], test: list[tuple]) -> 
         add_lora(model, args.lora_rank, args.lora_alpha, 0.0, args.lora_targets)
     colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOURS]
     trained = [p for p in model.parameters() if p.requires_grad]
-    groups = optimizer_groups(model, args.lr, args.lora_lr_ratio) if args.lora_rank else [{"params": trained}]
+    groups = optimizer_groups(model, args.lr, args.lora_lr_ratio)  # one group unless LoRA+
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
     sched = lr_scheduler(opt, "cosine", 0, args.steps)  # the recipe's schedule
     rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)

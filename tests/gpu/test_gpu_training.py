@@ -6,6 +6,7 @@ running it: `NPROC=1 bash examples/color_shapes/run.sh model.compute_dtype=bfloa
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -42,26 +43,17 @@ def test_colour_demo_trains_on_one_gpu_with_nccl(dtype, zero_stage, tiny_vl, col
 
 
 def test_one_update_of_a_1_5b_shaped_vl_policy_with_checkpointing_and_packing(world_of_one):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
     from vlrft.backends.deepspeed_backend import DeepSpeedBackend
     from vlrft.models.packing import pack, split_by_token_budget
-    from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
+    from vlrft.models.attention import resolve_attention
     from vlrft.models.forward import policy_forward
     from vlrft.models.loader import enable_gradient_checkpointing
     from vlrft.types import Prompt, Rollout
 
-    text = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                intermediate_size=8960, vocab_size=151936, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    # Qwen2.5-VL's own vision tower (0.67B; transformers' defaults would make it 3B): 2.2B in all.
-    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 1536}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
-    config._attn_implementation = resolve_attention("auto", "bfloat16")
-    with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration(config)
+    # The benchmark's 1.5B shape: Qwen2.5-1.5B's decoder and Qwen2.5-VL's own vision tower.
+    gpu_step = runpy.run_path(str(REPO / "bench" / "gpu_step.py"))
+    model = gpu_step["build_model"]("1.5B", resolve_attention("auto", "bfloat16"), "bfloat16", "cuda")
     assert 2.1e9 < sum(p.numel() for p in model.parameters()) < 2.3e9
-    model.config.use_cache = False
-    model.compute_dtype = COMPUTE_DTYPES["bfloat16"]
     assert enable_gradient_checkpointing(model) >= 28
     backend = DeepSpeedBackend(model, lr=1e-5, weight_decay=0.0, grad_clip=1.0, zero_stage=2)
     g = torch.Generator().manual_seed(0)
@@ -80,4 +72,4 @@ def test_one_update_of_a_1_5b_shaped_vl_policy_with_checkpointing_and_packing(wo
         backend.backward(loss, boundary=i == len(batches) - 1)
     assert backend.step() > 0
     assert not torch.equal(model.lm_head.weight.detach().float(), before)
-    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, attention {config._attn_implementation}")
+    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, attention {model.config._attn_implementation}")

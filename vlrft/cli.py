@@ -48,32 +48,54 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
-            from vlrft.distributed import shutdown_distributed
-            from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
-
-            trainer = SPMDTrainer(cfg)
-            try:
-                history = trainer.train()
-            except TrainingStopped as stopped:
-                if trainer.rank == 0:
-                    print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
-                shutdown_distributed()
-                return 128 + stopped.signum
-            if trainer.rank == 0:
-                if history:  # empty without data.eval_path
-                    curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
-                    print(f"held-out accuracy by step: {curve}", flush=True)
-                print(f"outputs: {cfg.output.dir} (metrics.jsonl, final/ HF checkpoint)", flush=True)
-                if cfg.trajectory.save_every:
-                    html, summary = write_report(cfg.output.dir)
-                    print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
-            shutdown_distributed()
+            return run_training(cfg)
     except json.JSONDecodeError as err:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2
     except VlrftError as err:  # a user's mistake: one line, no traceback
         print(f"vlrft: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def run_training(cfg) -> int:
+    """`vlrft train`: the exit code. A rank that fails prints its message and tells the others,
+    which stop within guards.peer_timeout_s (vlrft.rank_watch) instead of waiting in a collective."""
+    import traceback
+
+    from vlrft.distributed import init_distributed, shutdown_distributed
+    from vlrft.rank_watch import start_rank_watch
+    from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
+
+    init_distributed()  # here as well as in the trainer: the watch covers building it too
+    watch = start_rank_watch(cfg.guards.peer_timeout_s)
+    try:
+        trainer = SPMDTrainer(cfg)
+        history = trainer.train()
+    except TrainingStopped as stopped:
+        watch.stop()
+        if trainer.rank == 0:
+            print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
+        shutdown_distributed()
+        return 128 + stopped.signum
+    except VlrftError as err:  # a user's mistake: one line, no traceback
+        watch.fail(f"vlrft: error: {err}", f"rank {watch.rank} failed with {type(err).__name__} (its message is above)")
+        return 2
+    except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks
+        if not watch.active:  # no other ranks: the exception goes on as it would (in-process callers see it)
+            raise
+        watch.fail(traceback.format_exc().rstrip(), f"rank {watch.rank} failed with {type(err).__name__} (its traceback is above)")
+        return 1
+    watch.stop()
+    if trainer.rank == 0:
+        if history:  # empty without data.eval_path
+            curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
+            print(f"held-out accuracy by step: {curve}", flush=True)
+        print(f"outputs: {cfg.output.dir} (metrics.jsonl, final/ HF checkpoint)", flush=True)
+        if cfg.trajectory.save_every:
+            html, summary = write_report(cfg.output.dir)
+            print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
+    shutdown_distributed()
     return 0
 
 

@@ -74,7 +74,7 @@ class DataConfig:
     # Images are resized into [min_pixels, max_pixels] (Qwen-VL: 28 x 28 pixels per visual token).
     min_pixels: int = 56 * 56
     max_pixels: int = 1280 * 28 * 28
-    # Video parts (README, "Video prompts"): at most max_frames frames, evenly spaced over the
+    # Video parts (docs/datasets.md, "Video prompts"): at most max_frames frames, evenly spaced over the
     # clip, each resized into [min_pixels, video_max_pixels].
     max_frames: int = 32
     video_max_pixels: int = 128 * 28 * 28
@@ -84,7 +84,7 @@ class DataConfig:
     ptx_path: str = ""
     ptx_rows_per_step: int = 8  # PTX rows per optimizer step, per rank
     # A bad row (load time) or prompt (encoding: unreadable image, too long): `error` stops the
-    # run naming it; `skip` drops it with a one-line note and counts it (README, "Bad input").
+    # run naming it; `skip` drops it with a one-line note and counts it (docs/bad_input.md).
     on_bad_sample: str = "error"
 
 
@@ -247,10 +247,30 @@ class TrajectoryConfig:
 
 @dataclass
 class CheckpointConfig:
-    # Save every N steps (and always on SIGTERM/SIGINT) to output.dir/checkpoints; 0 = only on a signal.
-    save_steps: int = 0
+    # Save every N steps (and always on SIGTERM/SIGINT) to output.dir/checkpoints; 0 = only on a
+    # signal. On by default: a lost machine, not only a polite preemption, must cost at most N steps.
+    save_steps: int = 50
     keep_last: int = 2  # finished checkpoints kept (older ones are deleted after a new one lands)
     resume: str = "auto"  # auto: the run dir's newest checkpoint, if any | never | a checkpoint path
+
+
+@dataclass
+class GuardsConfig:
+    # Failures that would otherwise go unnoticed stop the run (or warn) with one line naming the
+    # culprit (docs/guards.md). 0 turns a guard off.
+    # After each weight sync, the engine and the trainer score the same probe response; a mean
+    # per-token logprob gap above this stops the run (the engine is not serving the trained policy).
+    sync_max_logprob_gap: float = 0.1
+    # Wall-clock budget of one step's reward and environment calls, per rank: a call still
+    # running when it is spent stops the run, naming the recipe and the sample.
+    step_reward_budget_s: float = 600.0
+    # A reward component that gave every sample 0 (or the same penalty) for this many steps in a
+    # row, while another component paid out, is reported by name.
+    component_patience: int = 10
+    # Steps over which host (and CUDA) memory that only grows is reported, with its slope.
+    memory_window: int = 20
+    # A rank that has not been heard from for this long is taken as dead: every rank stops.
+    peer_timeout_s: float = 60.0
 
 
 # Not "off": YAML reads an unquoted off as the boolean false.
@@ -278,6 +298,7 @@ class Config:
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

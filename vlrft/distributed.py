@@ -81,6 +81,17 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def watch_store(timeout_s: float):
+    """A connection of its own to the process group's key-value store (the TCPStore that
+    torchrun or MASTER_ADDR:MASTER_PORT serves), for vlrft.rank_watch's thread. A clone may be
+    used beside the group's own connection, and its timeout bounds each call (the group's is
+    PROCESS_GROUP_TIMEOUT)."""
+    # torch has no public accessor for the default group's store: this is vlrft's one private use.
+    store = dist.distributed_c10d._get_default_store().clone()
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def shutdown_distributed() -> None:
     """Destroy the process group (in-process callers: tests, notebooks). Only on a clean exit:
     a rank whose peers died mid-collective could hang here instead. A script's last line should

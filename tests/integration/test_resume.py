@@ -1,6 +1,7 @@
 """Issue-8 acceptance: exact resume after SIGKILL (one process: same final parameters and
-metrics; two ranks: the same prompts on each rank after the resume) and a kill while a
-checkpoint is being written (the previous checkpoint stays intact and resumable)."""
+metrics; two ranks: the same prompts on each rank after the resume), a kill while a
+checkpoint is being written or just before it is published (the previous checkpoint stays
+intact and resumable), and a second run on a directory in use (refused on every rank)."""
 
 import json
 import os
@@ -152,17 +153,57 @@ def test_two_rank_resume_continues_from_each_ranks_position(tiny_text, addition_
 def test_kill_while_saving_keeps_the_previous_checkpoint(tiny_text, addition_data, tmp_path):
     config = write_config(tmp_path, tiny_text, addition_data, "run")
     # The worker dies (os._exit, no clean-up) half-way through writing step 2's trainer.pt.
-    proc = subprocess.run([sys.executable, str(KILL_WORKER), str(config), "step_000002"], cwd=tmp_path, env=ENV,
+    proc = subprocess.run([sys.executable, str(KILL_WORKER), str(config), "step_000002", "half-write"], cwd=tmp_path, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step_000002", "step_000001"]
-    intact = torch.load(checkpoints / "step_000001" / "trainer.pt", weights_only=False)
+    intact = torch.load(checkpoints / "step_000001" / "trainer.pt", weights_only=True)
     assert intact["step"] == 1
     out = finish(launch(config, ranks=1))
     assert "resumed from" in out and "step_000001 at step 1" in out
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000005"]
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_kill_between_the_complete_write_and_the_rename_resumes_from_the_previous_checkpoint(
+        tiny_text, addition_data, tmp_path):
+    config = write_config(tmp_path, tiny_text, addition_data, "run")
+    proc = subprocess.run([sys.executable, str(KILL_WORKER), str(config), "step_000002", "before-rename"], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step_000002", "step_000001"]
+    # Killed after the write was complete: every file and directory of it had been fsynced.
+    written = checkpoints / ".tmp-step_000002"
+    assert torch.load(written / "trainer.pt", weights_only=True)["step"] == 2
+    on_disk = {str(p) for p in [written, *written.rglob("*")]}
+    assert any(p.endswith("mp_rank_00_model_states.pt") for p in on_disk)  # DeepSpeed's files are among them
+    assert on_disk <= set(json.loads((tmp_path / "fsynced.json").read_text()))
+    out = finish(launch(config, ranks=1))
+    assert "step_000001 at step 1" in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000005"]
+    assert sorted(step_metrics(tmp_path / "run")) == [1, 2, 3, 4, 5]
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_on_every_rank(tiny_text, addition_data, tmp_path):
+    config = write_config(tmp_path, tiny_text, addition_data, "run")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vlrft.trainer.run_lock import lock_run_dir; "
+                               "lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(tmp_path / "run")],
+                              env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = launch(config, ranks=2)
+        out, _ = proc.communicate(timeout=300)  # a rank left waiting would hang here
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0, out[-4000:]
+    refusal = f"{tmp_path / 'run'} is in use by another run (pid {holder.pid} on host"
+    assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
+    # Only torchrun's own report has a traceback: no frame of vlrft's code is printed.
+    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".vlrft.lock"]  # nothing written
 
 
 def test_sigterm_saves_a_checkpoint_and_stops(tiny_text, addition_data, tmp_path):

@@ -61,6 +61,8 @@ def test_two_rank_training_updates_policy(kind, zero_stage, vl_models, tiny_text
     # Known third-party warnings are silenced at their source; vlrft's own lines start "vlrft:".
     foreign = [line for line in (proc.stdout + proc.stderr).splitlines() if "warn" in line.lower() and "vlrft:" not in line]
     assert not foreign, foreign[:3]
+    # A healthy run trips no guard (each guard's line names its guards.* key).
+    assert "guards." not in proc.stdout + proc.stderr
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "rollout/reward_mean" in r]

@@ -1,9 +1,15 @@
 """Checkpoint bookkeeping without training: atomic publish and rotation, what a resume discards,
-the metrics log rewrite, config keys that must not change across a resume, config checks."""
+the metrics log rewrite, config keys that must not change across a resume, config checks,
+fsync before the rename, safe loading (weights_only) and RNG state that loads safely."""
 
 import json
+import os
+import random
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.trainer.checkpoint import (
@@ -11,8 +17,12 @@ from vlrft.trainer.checkpoint import (
     clear_temporaries,
     complete_checkpoints,
     discard_after,
+    load_state,
     publish,
+    resume_decision,
     resume_path,
+    rng_state,
+    set_rng_state,
     temporary_dir,
     truncate_metrics_after,
 )
@@ -84,3 +94,49 @@ def test_checkpoint_and_logging_keys_are_validated(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"'logging.tensorboard' needs the tensorboard package.*vlrft\[tensorboard\]"):
         load_config(None, BASE + ["logging.tensorboard=true"])
+
+
+def test_publish_fsyncs_every_file_and_directory_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
+    temporary = temporary_dir(tmp_path, 7)
+    (temporary / "policy" / "global_step7").mkdir(parents=True)
+    for name in ("trainer.pt", "rank0.pt", "policy/latest", "policy/global_step7/shard.pt"):
+        (temporary / name).write_text(name)
+    written = {str(p) for p in [temporary, *temporary.rglob("*")]}  # 4 files and 3 directories
+    events = []
+    real_fsync, real_rename = os.fsync, Path.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(Path, "rename", lambda self, to: events.append(("rename", str(self))) or real_rename(self, to))
+    publish(temporary, keep_last=2)
+    renamed = events.index(("rename", str(temporary)))
+    before = {path for kind, path in events[:renamed]}
+    assert len(written) == 7 and before == written
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[renamed:]  # the rename itself is durable
+
+
+class Payload:
+    def __reduce__(self):  # unpickling this would create the file
+        return (open, (str(Path(os.environ["PAYLOAD_MARKER"])), "w"))
+
+
+def test_a_pickled_object_in_trainer_pt_is_refused_not_run(tmp_path, monkeypatch):
+    marker = tmp_path / "payload-ran"
+    monkeypatch.setenv("PAYLOAD_MARKER", str(marker))
+    saved = tmp_path / "checkpoints" / "step_000003"
+    saved.mkdir(parents=True)
+    torch.save({"step": 3, "world_size": 1, "config": {}, "extra": Payload()}, saved / "trainer.pt")
+    with pytest.raises(ConfigError, match=r"refusing to load checkpoint file .*step_000003/trainer.pt: it holds io.open, not only") as refused:
+        resume_decision("auto", tmp_path, 0, {}, 1)
+    assert "\n" not in str(refused.value) and not marker.exists()
+    (saved / "trainer.pt").write_bytes(b"PK\x03\x04 half a file")
+    with pytest.raises(ConfigError, match=r"checkpoint file .*trainer.pt cannot be read"):
+        load_state(saved / "trainer.pt")
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # a cached gaussian is part of numpy's state too
+    torch.save({"rng": rng_state()}, tmp_path / "rank0.pt")
+    expected = (random.random(), np.random.standard_normal(), float(torch.rand(1)))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(load_state(tmp_path / "rank0.pt")["rng"])
+    assert (random.random(), np.random.standard_normal(), float(torch.rand(1))) == expected

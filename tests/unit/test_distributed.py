@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vlrft
-from vlrft.config import ConfigError, load_config
+from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.config_checks import check_world_size
 from vlrft.distributed import (
     all_gather_1d,
@@ -180,10 +180,16 @@ def test_request_seeds_depend_on_call_group_and_position_only():
 
 
 def test_resume_is_decided_once_and_errors_name_the_key(world_of_one, tmp_path):
-    assert resume_decision("auto", tmp_path, rank=0) == (None, 0)
-    assert resume_decision("never", tmp_path, rank=0) == (None, 0)
-    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
-    torch.save({"step": 4}, tmp_path / "checkpoints" / "step_000004" / "trainer.pt")
-    assert resume_decision("auto", tmp_path, rank=0) == (tmp_path / "checkpoints" / "step_000004", 4)
+    config = to_dict(load_config(None, ["model.path=m", "data.train_path=t.jsonl"]))
+    assert resume_decision("auto", tmp_path, 0, config, 1) == (None, 0)
+    assert resume_decision("never", tmp_path, 0, config, 1) == (None, 0)
+    saved = tmp_path / "checkpoints" / "step_000004"
+    (saved / "policy").mkdir(parents=True)
+    torch.save({}, saved / "rank0.pt")
+    torch.save({"step": 4, "world_size": 1, "config": config}, saved / "trainer.pt")
+    assert resume_decision("auto", tmp_path, 0, config, 1) == (saved, 4)
     with pytest.raises(ConfigError, match="checkpoint.resume.*not a vlrft checkpoint"):
-        resume_decision(str(tmp_path / "nowhere"), tmp_path, rank=0)
+        resume_decision(str(tmp_path / "nowhere"), tmp_path, 0, config, 1)
+    torch.save({"step": 4, "world_size": 2, "config": config}, saved / "trainer.pt")
+    with pytest.raises(ConfigError, match=r"step_000004 is incomplete: no rank1.pt"):
+        resume_decision("auto", tmp_path, 0, config, 2)

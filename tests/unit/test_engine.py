@@ -117,3 +117,32 @@ def test_engine_logprobs_equal_the_trainers_packed_forward(tiny_vl, tiny_text, m
             trainer = gather_responses(batch, policy_forward(engine.model, batch, params.temperature).logp)
         for row, rollout in enumerate(rollouts):
             assert (trainer[row] - torch.tensor(rollout.logprobs)).abs().max() <= 1e-5
+
+
+def test_kv_cache_argument_follows_the_installed_transformers(tiny_text, addition_data):
+    """transformers 5.24 renamed the forward's KV cache `past_key_values` -> `cache` (the old
+    name warns on every call, and goes in 5.40): the engine asks the model which it takes."""
+    import inspect
+    import warnings
+
+    import transformers
+
+    from vlrft.engines.hf_engine import kv_cache_name
+
+    def new_style(input_ids, cache=None, use_cache=None): ...
+
+    def old_style(input_ids, past_key_values=None, use_cache=None): ...
+
+    assert kv_cache_name(type("M", (), {"forward": staticmethod(new_style)})) == "cache"
+    assert kv_cache_name(type("M", (), {"forward": staticmethod(old_style)})) == "past_key_values"
+    model = load_model(tiny_text)
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert kv_cache_name(model) == expected
+    newer = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)
+    assert expected == ("cache" if newer else "past_key_values"), transformers.__version__
+    # A whole decode on the installed version warns about nothing.
+    engine, encoder = make_engine(tiny_text)
+    prompt = encoder.encode(load_rows(addition_data / "test.jsonl")[0], 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate([prompt], SamplingParams(n=2, max_new_tokens=4, temperature=1.0))

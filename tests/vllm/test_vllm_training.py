@@ -16,6 +16,7 @@ from tests.integration.test_torchrun_training import RECIPE, free_port  # noqa: 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 WORKER = Path(__file__).with_name("vllm_sync_worker.py")
+WITHHELD_WORKER = Path(__file__).with_name("vllm_withheld_sync_worker.py")
 # Served vs exported logprobs. fp32 on both sides: measured max |diff| <= 1e-6 here; a bf16
 # engine vs the fp32 export: 4.5e-3 (bf16 rounding). A stale tensor (e.g. an untied head)
 # moves logprobs by ~1e-2 or more after a few updates; training moves them by ~1.7 here.
@@ -67,11 +68,30 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
     assert len(steps) == 3
     # The engine's sampling logprobs track the trainer's at every step (after every sync).
     assert all(m["rollout/engine_logprob_diff_mean"] < 1e-2 for m in steps), steps
+    # The sync check's probe: vLLM's prompt logprobs against the trainer's, after each sync.
+    assert all(m["sync/logprob_gap"] <= TOLERANCE[dtype] and m["sync/update_shift"] > 0 for m in steps), steps
     # Rollout correction (tis): the mismatch is measured and the weights stay near 1 for an
     # engine that serves the trainer's weights (the banned-token renormalisation is the gap).
     for m in steps:
         assert 0 <= m["rollout/mismatch_kl"] < 1e-3, m
         assert abs(m["rollout/correction_weight_mean"] - 1) < 2e-2 and m["rollout/correction_masked_frac"] == 0, m
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_weights_withheld_from_vllm_stop_the_run(lora, tiny_text, addition_data, tmp_path):
+    """A sync that does not take effect is caught at the step it happens, on both ranks."""
+    overrides = [
+        f"model.path={tiny_text}", f"data.train_path={addition_data / 'train.jsonl'}",
+        "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.15", "rollout.rollout_prompts=4",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6", "train.lr=0.05",
+        "reward.default=[{recipe: 'recipe.py:distinct_chars'}]", "eval.every_steps=0", f"output.dir={tmp_path / 'run'}",
+    ] + (["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"] if lora else [])
+    (tmp_path / "recipe.py").write_text(RECIPE)
+    torchrun([str(WITHHELD_WORKER), str(tmp_path), *overrides], tmp_path)
+    for rank in (0, 1):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "weight sync check after step 1: the 'vllm' engine's logprobs" in message
+        assert "did not reach the engine" in message
 
 
 def test_multi_turn_rollouts_on_a_tensor_parallel_vllm_engine(warm_text, addition_data, tmp_path):

@@ -43,6 +43,11 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors by their HF parameter names."""
 
+    def score(self, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:
+        """Each response's per-token logprobs ([R_i]) under the weights the engine serves now
+        (the weight-sync check compares them with the trainer's). An engine whose
+        `scores_images` is False is only given text prompts."""
+
     def sleep(self) -> None:
         """Release accelerator memory while the trainer updates (no-op where unsupported)."""
 

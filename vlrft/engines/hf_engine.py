@@ -8,6 +8,7 @@ every row until the longest response ends, which on length-skewed batches is mos
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable
 
 import torch
@@ -15,11 +16,19 @@ from transformers import TopPLogitsWarper
 
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
-from vlrft.models.collate import concat_mm_inputs, mm_token_type_ids
-from vlrft.models.packing import prompt_positions
+from vlrft.models.collate import concat_mm_inputs, gather_responses, mm_token_type_ids
+from vlrft.models.forward import policy_forward
+from vlrft.models.packing import pack, prompt_positions
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
 from vlrft.types import Prompt, Rollout
+
+
+def kv_cache_name(model) -> str:
+    """The name the installed transformers gives the KV cache, as a forward argument and an
+    output field: `cache` from 5.24 on (where `past_key_values` warns on every call and goes in
+    5.40), `past_key_values` before. Read once from the model's own forward signature."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class HFEngine:
@@ -45,6 +54,7 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         self.max_batch = max_batch  # sequences per decoding batch (bounds memory)
         self.rope_index = getattr(self.model.model, "get_rope_index", None)  # Qwen-VL's M-RoPE ids
+        self.cache_name = kv_cache_name(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
@@ -105,7 +115,7 @@ class HFEngine:
                 input_ids=input_ids.to(here), attention_mask=attention_mask, position_ids=positions.to(here),
                 use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
             )
-            cache = out.past_key_values
+            cache = getattr(out, self.cache_name)
             for step in range(params.max_new_tokens):
                 token, logprob = self._sample(out.logits[:, -1], params)
                 tokens[running, step], logprobs[running, step] = token, logprob
@@ -119,11 +129,18 @@ class HFEngine:
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(running), 1))], dim=1)
                 out = self.model(
                     input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                    past_key_values=cache, use_cache=True,
+                    use_cache=True, **{self.cache_name: cache},
                 )
                 next_position = next_position + 1
         tokens, logprobs = tokens.tolist(), logprobs.cpu().tolist()
         return [make_rollout(p, tokens[row], self.tokenizer, self.stop_ids, logprobs[row]) for row, p in enumerate(prompts)]
+
+    @torch.no_grad()
+    def score(self, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:
+        """Each response's per-token logprobs ([R_i], CPU) under the weights this engine serves,
+        by the trainer's own forward on one packed micro-batch (the weight-sync check)."""
+        batch = pack(rollouts)
+        return gather_responses(batch, policy_forward(self.model, batch, temperature).logp, "cpu")
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -105,8 +105,10 @@ def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids
 
 class VLLMEngine:
     # Prompts with images go to vLLM as text (request_for), which a multi-turn continuation's
-    # token ids cannot be turned back into without re-tokenizing (vlrft/multiturn/rollout.py).
+    # token ids cannot be turned back into without re-tokenizing (vlrft/multiturn/rollout.py);
+    # nor can a response to score be appended to them exactly (`score`).
     continues_image_prompts = False
+    scores_images = False
 
     def __init__(
         self,
@@ -175,12 +177,12 @@ class VLLMEngine:
             ),
         )
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
-        from vllm import SamplingParams as VllmSamplingParams
-
-        requests = [request_for(p) for p in prompts]
+    def _generate(self, requests: list[dict], sampling: Callable[[int], list]) -> list:
+        """vLLM outputs of this rank's `requests` (`sampling`: a callable from the TP group's
+        request count to their SamplingParams). The TP group generates every member's requests
+        together (external_launcher: all its ranks make the same call)."""
         offset, all_requests = 0, requests
-        if self.group is not None:  # the TP group generates every member's prompts together
+        if self.group is not None:
             per_rank = all_gather_objects(requests, self.group)
             offset = sum(len(r) for r in per_rank[: rank(self.group)])
             all_requests = [r for part in per_rank for r in part]
@@ -189,11 +191,16 @@ class VLLMEngine:
         if self._cache_asleep:  # after the weights (wake) and their sync: now the KV cache
             self.llm.wake_up(tags=["kv_cache"])
             self._cache_asleep = False
-        sampling = [
-            VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids, seed))
-            for seed in request_seeds(params.seed, self.group_index, len(all_requests))
-        ]
-        outputs = self.llm.generate(all_requests, sampling, use_tqdm=False)[offset : offset + len(prompts)]
+        return self.llm.generate(all_requests, sampling(len(all_requests)), use_tqdm=False)[offset : offset + len(requests)]
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        def sampling(count: int) -> list:
+            return [VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids, seed))
+                    for seed in request_seeds(params.seed, self.group_index, count)]
+
+        outputs = self._generate([request_for(p) for p in prompts], sampling)
         rollouts = []
         for prompt, output in zip(prompts, outputs):
             if len(output.prompt_token_ids) != len(prompt.prompt_ids):
@@ -205,6 +212,20 @@ class VLLMEngine:
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
                 rollouts.append(make_rollout(prompt, list(sample.token_ids), self.tokenizer, self.stop_ids, logprobs))
         return rollouts
+
+    def score(self, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:
+        """Text prompts only (`scores_images`): prompt + response go as token ids, and vLLM's
+        prompt logprobs of the response's tokens are the engine's scores."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        requests = [{"prompt_token_ids": list(r.prompt.prompt_ids) + list(r.response_ids)} for r in rollouts]
+        once = VllmSamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0, detokenize=False)
+        outputs = self._generate(requests, lambda count: [once] * count)
+        scores = []
+        for rollout, output in zip(rollouts, outputs):
+            steps = output.prompt_logprobs[len(output.prompt_logprobs) - len(rollout.response_ids):]
+            scores.append(torch.tensor([step[token].logprob for step, token in zip(steps, rollout.response_ids)]))
+        return scores
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # vLLM's supported in-place reload: tensors in checkpoint (HF) names and shapes; vLLM

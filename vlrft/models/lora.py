@@ -63,7 +63,7 @@ def optimizer_groups(model: torch.nn.Module, lr: float, lr_ratio: float) -> list
     trainable parameter (the A matrices) at `lr`, in that order (group 0 carries train.lr); one
     group at ratio 1 (plain LoRA, whose checkpoints hold one group).
     B starts at zero, so at first only B moves and B·A grows at the rate B does; a faster B
-    learns features sooner, before GRPO's sampling has locked onto one answer (README, "LoRA")."""
+    learns features sooner, before GRPO's sampling has locked onto one answer (docs/models.md, "LoRA")."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if lr_ratio == 1:
         return [{"params": [p for _, p in trainable], "lr": lr}]

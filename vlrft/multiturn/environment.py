@@ -97,11 +97,12 @@ def as_step(answer: Any) -> Step:
     return Step(answer.observation, reward, bool(answer.done), list(images))
 
 
-def call_guarded(fn: Callable, *args, timeout_s: float) -> Any:
+def call_guarded(fn: Callable, *args, timeout_s: float, what: str = "an environment call") -> Any:
     """fn(*args) in a daemon thread with a wall-clock timeout (vlrft.rewards.guard, as reward
     recipes are called); anything it raises, or a call that outlives the timeout (abandoned:
-    counted in `reward/abandoned_calls`), is an EnvironmentFailure."""
-    outcome = call_in_thread(lambda: fn(*args), timeout_s, "vlrft-environment")
+    counted in `reward/abandoned_calls`), is an EnvironmentFailure. `what` names the call when
+    the step's budget stops the run (rewards/budget.py)."""
+    outcome = call_in_thread(lambda: fn(*args), timeout_s, "environment", what)
     problem = failure_text(outcome, timeout_s)
     if problem is not None:
         raise EnvironmentFailure(problem)

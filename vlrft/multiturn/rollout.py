@@ -84,13 +84,17 @@ class Trajectory:
 def start(trajectory: Trajectory, mt: MultiTurn, fields: dict) -> None:
     """A fresh environment for the trajectory, reset to its row; a failure ends it unstarted."""
     try:
-        trajectory.environment = call_guarded(mt.make_environment, timeout_s=mt.timeout_s)
+        trajectory.environment = call_guarded(mt.make_environment, timeout_s=mt.timeout_s, what=_call("construction", trajectory))
     except EnvironmentFailure as failure:
         return fail(trajectory, f"construction {failure}")
     try:
-        call_guarded(trajectory.environment.reset, fields, timeout_s=mt.timeout_s)
+        call_guarded(trajectory.environment.reset, fields, timeout_s=mt.timeout_s, what=_call("reset", trajectory))
     except EnvironmentFailure as failure:
         fail(trajectory, f"reset {failure}")
+
+
+def _call(name: str, trajectory: Trajectory) -> str:
+    return f"environment {name} on sample {trajectory.prompt.id!r}"
 
 
 def fail(trajectory: Trajectory, message: str) -> None:
@@ -114,7 +118,8 @@ def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_token
         trajectory.done = True
         return
     try:
-        step = as_step(call_guarded(trajectory.environment.step, action.response_text, timeout_s=mt.timeout_s))
+        step = as_step(call_guarded(trajectory.environment.step, action.response_text, timeout_s=mt.timeout_s,
+                                    what=_call("step", trajectory)))
     except EnvironmentFailure as failure:
         fail(trajectory, f"step {failure}")
         return

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import time
 from typing import Callable
+
+from vlrft.rewards.budget import STEP_BUDGET
 
 _abandoned = 0  # threads still running a timed-out call (they cannot be killed)
 _lock = threading.Lock()
@@ -26,9 +29,11 @@ def abandoned_calls() -> int:
     return _abandoned
 
 
-def call_in_thread(fn: Callable, timeout_s: float, name: str) -> dict | None:
+def call_in_thread(fn: Callable, timeout_s: float, kind: str, what: str) -> dict | None:
     """fn() in a daemon thread: {"value": result} or {"error": what it raised}, or None when it
-    outlived `timeout_s` (abandoned: a thread cannot be killed; counted in abandoned_calls)."""
+    outlived `timeout_s` (abandoned: a thread cannot be killed; counted in abandoned_calls).
+    `kind` (reward | environment) and `what` (the call and its samples, for messages) feed the
+    step's budget (rewards/budget.py): a call the budget cuts short raises CallStalled."""
     outcome: dict = {}
 
     def work() -> None:
@@ -37,13 +42,18 @@ def call_in_thread(fn: Callable, timeout_s: float, name: str) -> dict | None:
         except BaseException as err:  # noqa: BLE001 - anything the call raises is its failure
             outcome["error"] = err
 
-    worker = threading.Thread(target=work, daemon=True, name=name)
+    limit, by_budget = STEP_BUDGET.limit(timeout_s)
+    worker = threading.Thread(target=work, daemon=True, name=f"vlrft-{kind}")
+    started = time.monotonic()
     worker.start()
-    worker.join(timeout_s)
+    worker.join(limit)
+    STEP_BUDGET.record(kind, time.monotonic() - started)
     if worker.is_alive():
         global _abandoned
         with _lock:
             _abandoned += 1
+        if by_budget:
+            raise STEP_BUDGET.stalled(what)
         return None
     return outcome
 
@@ -58,9 +68,12 @@ def failure_text(outcome: dict | None, timeout_s: float) -> str | None:
     return None
 
 
-def call_recipe(fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float) -> list:
-    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list."""
-    outcome = call_in_thread(lambda: fn(completions, samples, **kwargs), timeout_s, "vlrft-recipe")
+def call_recipe(
+    fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float, what: str = "a reward recipe"
+) -> list:
+    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list.
+    `what` names the call in a budget stop (rewards/budget.py)."""
+    outcome = call_in_thread(lambda: fn(completions, samples, **kwargs), timeout_s, "reward", what)
     problem = failure_text(outcome, timeout_s)
     if problem is not None:
         raise RecipeFailure(problem)

@@ -88,7 +88,8 @@ class RewardMix:
         if not completions:
             return []
         try:
-            return call_recipe(fn, completions, samples, spec.kwargs, spec.timeout_s)
+            what = f"reward recipe '{spec.recipe}' on {sample_ids(samples)}"
+            return call_recipe(fn, completions, samples, spec.kwargs, spec.timeout_s, what)
         except RecipeFailure as failure:
             name = component_name(spec)
             self.failures[name] += 1
@@ -99,6 +100,13 @@ class RewardMix:
                 flush=True,
             )
             return [spec.fallback] * len(completions)
+
+
+def sample_ids(samples: list[dict], shown: int = 3) -> str:
+    """The samples of a call, for messages: "sample 'a'", "samples 'a', 'b' and 3 more"."""
+    ids = [repr(str(s.get("id", "?"))) for s in samples]
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"sample{'s' if len(ids) > 1 else ''} {', '.join(ids[:shown])}{more}"
 
 
 def _as_number(score) -> float:

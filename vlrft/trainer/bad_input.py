@@ -1,4 +1,4 @@
-"""`data.on_bad_sample`: what a bad row or prompt does to a run (README, "Bad input").
+"""`data.on_bad_sample`: what a bad row or prompt does to a run (docs/bad_input.md).
 
 `error` stops the run with the problem's one-line message; `skip` leaves the row or prompt
 out, prints one line naming it and counts it (`data/skipped_rows`, `data/skipped_prompts`).

@@ -11,13 +11,19 @@ A checkpoint is a directory `output.dir/checkpoints/step_NNNNNN/`:
 Everything is first written to `checkpoints/.tmp-step_NNNNNN/`, and only when every rank has
 finished is that directory renamed to `step_NNNNNN` (a rename is atomic), so a run killed
 while saving leaves the previous checkpoint untouched and resumable; half-written
-temporaries are never picked up and are deleted by the next save.
+temporaries are never picked up and are deleted by the next save. Files and directories are
+fsynced before the rename and the parent after it: after a power loss a `step_NNNNNN` that
+exists is complete, not a directory of empty files.
+
+The `.pt` files hold tensors and plain Python data only and load with `weights_only=True`:
+resuming from a directory never runs code pickled into it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -72,10 +78,28 @@ def clear_temporaries(run_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def fsync_path(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root` (DeepSpeed's too), then every directory, deepest first:
+    a rename is only durable once what it points at and the entries naming it are on disk."""
+    for here, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(here, name))
+        fsync_path(here)
+
+
 def publish(temporary: Path, keep_last: int) -> Path:
     """Rename a fully written temporary into place, then drop all but the newest `keep_last`
     checkpoints (rank 0, after every rank finished writing)."""
     final = temporary.with_name(temporary.name[len(TEMPORARY_PREFIX) :])
+    fsync_tree(temporary)
     if final.exists():  # the same step saved again: move the old one aside, never lose both
         aside = temporary.with_name(f"{TEMPORARY_PREFIX}old-{final.name}")
         final.rename(aside)
@@ -83,6 +107,8 @@ def publish(temporary: Path, keep_last: int) -> Path:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         temporary.rename(final)
+    fsync_path(final.parent)  # the rename itself
+    fsync_path(final.parent.parent)  # `checkpoints/` may be new
     for old in complete_checkpoints(final.parent.parent)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -103,7 +129,10 @@ def discard_after(run_dir: Path, step: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # numpy's key array as a list of ints: an ndarray would need numpy globals to unpickle.
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         # This rank's own GPU only: touching every visible GPU would open a context on each.
         state["cuda"] = torch.cuda.get_rng_state()
@@ -112,7 +141,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -133,11 +163,22 @@ def truncate_metrics_after(path: Path, step: int) -> None:
 
     temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
     temporary.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if keep(line)))
+    fsync_path(temporary)
     os.replace(temporary, path)
 
 
-def checkpoint_step(path: Path) -> int:
-    return int(torch.load(Path(path) / "trainer.pt", weights_only=False, map_location="cpu")["step"])
+def load_state(path: Path) -> dict:
+    """A checkpoint `.pt` file, tensors and plain data only (`weights_only`, no allow-list
+    needed): a file carrying anything else is refused, never executed."""
+    try:
+        # On the CPU first: each tensor then goes to this rank's device as it is restored.
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        culprit = re.search(r"GLOBAL (\S+)", str(err))  # torch's message is many lines, with bad advice
+        what = f"{culprit[1]}, not only tensors and plain data" if culprit else "objects other than tensors and plain data"
+        raise ConfigError(f"refusing to load checkpoint file {path}: it holds {what} (not written by vlrft, or tampered with)") from None
+    except (OSError, RuntimeError, EOFError) as err:
+        raise ConfigError(f"checkpoint file {path} cannot be read: {str(err).splitlines()[0]}") from None
 
 
 # Keys whose value is baked into a checkpoint's state: resuming with another value would
@@ -157,15 +198,38 @@ def changed_state_keys(saved: dict, current: dict) -> list[str]:
     return [key for key in STATE_SHAPING_KEYS if value(saved, key) != value(current, key)]
 
 
-def resume_decision(resume: str, out_dir: Path, rank: int) -> tuple[Path | None, int]:
+def check_resumable(path: Path, state: dict, config: dict, world_size: int) -> None:
+    """Refuse a resume whose saved state this run could not use as it is (one-line ConfigError)."""
+    changed = changed_state_keys(state["config"], config)
+    if changed:
+        raise ConfigError(
+            f"cannot resume from {path}: config keys {', '.join(changed)} differ from the checkpoint's; "
+            "keep them, or start over with checkpoint.resume=never"
+        )
+    if state["world_size"] != world_size:
+        raise ConfigError(
+            f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
+            f"(this run has {world_size})"
+        )
+    missing = [name for name in [f"rank{r}.pt" for r in range(world_size)] + ["policy"] if not (path / name).exists()]
+    if missing:
+        raise ConfigError(f"checkpoint {path} is incomplete: no {', '.join(missing)}")
+
+
+def resume_decision(resume: str, out_dir: Path, rank: int, config: dict, world_size: int) -> tuple[Path | None, int]:
     """(checkpoint to resume from or None, its step), decided by rank 0 and broadcast: ranks on
     different nodes may see a shared file system at different moments, and must not disagree
-    on whether to resume. A bad `checkpoint.resume` fails on every rank with rank 0's message."""
+    on whether to resume. The checkpoint is validated against `config` (a `to_dict` config)
+    here, before the caller discards anything after it; a bad `checkpoint.resume` or a refused
+    resume fails on every rank with rank 0's message."""
     decision: tuple = (None, 0, "")
     if rank == 0:
         try:
             path = resume_path(resume, out_dir)
-            decision = (str(path) if path else None, checkpoint_step(path) if path else 0, "")
+            if path is not None:
+                state = load_state(path / "trainer.pt")
+                check_resumable(path, state, config, world_size)
+            decision = (str(path) if path else None, int(state["step"]) if path else 0, "")
         except ConfigError as err:
             decision = (None, 0, str(err))
     path, step, problem = broadcast_from_rank0(decision)

@@ -51,18 +51,9 @@ from vlrft.trainer.build import (
     reward_shaper,
     training_backend,
 )
-from vlrft.trainer.checkpoint import (
-    changed_state_keys,
-    cpu_state_dict,
-    clear_temporaries,
-    discard_after,
-    publish,
-    resume_decision,
-    rng_state,
-    set_rng_state,
-    step_dir_name,
-    temporary_dir,
-)
+from vlrft.trainer import checkpoint_io
+from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
+from vlrft.trainer.run_lock import claim_run_dir
 from vlrft.trainer.critic_update import critic_update
 from vlrft.distributed import (
     all_reduce_max_int,
@@ -72,6 +63,7 @@ from vlrft.distributed import (
     local_world_size,
 )
 from vlrft.trainer.evaluate import evaluate
+from vlrft.trainer.guards import RunGuards
 from vlrft.trainer.rank_balance import balance_across_ranks
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
@@ -103,7 +95,10 @@ class SPMDTrainer:
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
         self.out_dir = Path(cfg.output.dir)
         self.global_step = 0
-        resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank)
+        claim_run_dir(self.out_dir, self.rank)  # before anything in it is read, written or discarded
+        resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank, to_dict(cfg), self.world_size)
+        if resume_from is not None and self.rank == 0:  # validated: the abandoned future may go
+            discard_after(self.out_dir, start_step)
 
         self.encoder = PromptEncoder.for_config(cfg)
         tokenizer = self.encoder.tokenizer
@@ -184,6 +179,7 @@ class SPMDTrainer:
             critic=(lambda: self.critic.model) if self.critic is not None else None,
             return_stats=self.return_stats,
         )
+        self.guards = RunGuards(cfg.guards, self.engine, cfg.rollout.engine, self.rewards.component_names(), self.rank)
         # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
         self.policy_ema = None
         if cfg.train.ema_beta > 0:
@@ -196,8 +192,6 @@ class SPMDTrainer:
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            if resume_from is not None:  # before the sinks open their files
-                discard_after(self.out_dir, start_step)
             sinks = [ConsoleSink(cfg.train.total_steps, start_step), JsonlSink(self.out_dir / "metrics.jsonl")]
             sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg), start_step)
         self.logger = MetricsLogger(sinks)
@@ -247,6 +241,7 @@ class SPMDTrainer:
         """One RL step: sample, generate and score, update, sync the engine. Returns metrics."""
         self.global_step += 1
         start = time.perf_counter()
+        self.guards.start_step()  # the step's budget for reward and environment calls
         kept, generated, metrics = self._collect_experiences()
         if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
             metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
@@ -281,6 +276,7 @@ class SPMDTrainer:
         if actor_updates:
             metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
             ptx = self.ptx.next_examples() if self.ptx is not None else []
+            self.guards.before_update(self.backend.model, experiences or [placeholder])
             with dropout_active(self.backend.module, cfg.model.lora.dropout > 0):
                 metrics |= policy_update(
                     self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
@@ -289,13 +285,14 @@ class SPMDTrainer:
         updated = time.perf_counter()
         if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
             metrics |= self.maker.policy_metrics(experiences)[0]
-        metrics |= trajectory_metrics(experiences)
+        metrics |= trajectory_metrics(experiences) | self.guards.after_step(generated)
         if self.saver.due(self.global_step, cfg.train.total_steps):
             self.saver.save(self.global_step, experiences, [e.correct for e in experiences])
         self.engine.wake()
         synced = time.perf_counter()
         if actor_updates:
             self._sync_weights()
+            metrics |= self.guards.after_sync(self.backend.model, self.global_step)
         metrics["perf/update_seconds"] = updated - made
         metrics["perf/sync_seconds"] = time.perf_counter() - synced
         if self.reference is not None:
@@ -386,84 +383,12 @@ class SPMDTrainer:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def save_checkpoint(self) -> Path:
-        """Write this step's checkpoint (collective; layout and atomicity: trainer/checkpoint.py)."""
-        temporary = temporary_dir(self.out_dir, self.global_step)
-        if self.rank == 0:
-            clear_temporaries(self.out_dir)
-            temporary.mkdir(parents=True)
-        barrier()
-        self.backend.save_checkpoint(temporary / "policy")
-        if self.critic is not None:
-            self.critic.save_checkpoint(temporary / "critic")
-        torch.save(
-            {
-                "rng": rng_state(),
-                "buffer_generator": self.buffer.generator.get_state(),
-                "prompts_consumed": self.sampler.consumed,
-                "ptx_position": self.ptx.position if self.ptx is not None else 0,
-            },
-            temporary / f"rank{self.rank}.pt",
-        )
-        if self.rank == 0:
-            moving_reference = self.reference is not None and self.cfg.algo.kl.ref_ema_eta > 0
-            torch.save(
-                {
-                    "step": self.global_step,
-                    "world_size": self.world_size,
-                    "config": to_dict(self.cfg),
-                    "kl_controller": self.kl_controller.state_dict(),
-                    "return_stats": self.return_stats.state_dict() if self.return_stats is not None else None,
-                    "policy_ema": self.policy_ema,
-                    "reference": cpu_state_dict(self.reference) if moving_reference else None,
-                    "eval_history": self.eval_history,
-                    "zero_reward_streak": self.zero_reward_watch.streak,
-                },
-                temporary / "trainer.pt",
-            )
-        barrier()  # every rank's files are complete: only now may the checkpoint appear
-        final = temporary.with_name(step_dir_name(self.global_step))
-        if self.rank == 0:
-            publish(temporary, self.cfg.checkpoint.keep_last)
-        barrier()
-        return final
+        """Write this step's checkpoint (collective; what it holds: trainer/checkpoint_io.py)."""
+        return checkpoint_io.save_checkpoint(self)
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue exactly where the checkpoint left off (every rank)."""
-        # On the CPU first: each tensor then goes to this rank's device as it is restored.
-        state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
-        changed = changed_state_keys(state["config"], to_dict(self.cfg))
-        if changed:
-            raise ConfigError(
-                f"cannot resume from {path}: config keys {', '.join(changed)} differ from the checkpoint's; "
-                "keep them, or start over with checkpoint.resume=never"
-            )
-        if state["world_size"] != self.world_size:
-            raise ConfigError(
-                f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
-                f"(this run has {self.world_size})"
-            )
-        mine = torch.load(path / f"rank{self.rank}.pt", weights_only=False, map_location="cpu")
-        self.backend.load_checkpoint(path / "policy")
-        if self.critic is not None:
-            self.critic.load_checkpoint(path / "critic")
-        self.global_step = state["step"]
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.return_stats is not None:
-            self.return_stats.load_state_dict(state["return_stats"])
-        if self.policy_ema is not None:
-            self.policy_ema = state["policy_ema"]
-        if state["reference"] is not None:
-            self.reference.load_state_dict(state["reference"])
-        self.eval_history = state["eval_history"]
-        self.zero_reward_watch.streak = state["zero_reward_streak"]
-        self.sampler.consumed = mine["prompts_consumed"]
-        if self.ptx is not None:
-            self.ptx.position = mine["ptx_position"]
-        self.buffer.generator.set_state(mine["buffer_generator"])
-        self.engine.update_weights(self.policy_weights())  # serve the restored policy
-        if self.rank == 0:
-            print(f"vlrft: resumed from {path} at step {self.global_step}", flush=True)
-        set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+        checkpoint_io.load_checkpoint(self, path)
 
     def _maybe_evaluate(self, step: int) -> None:
         if not self.eval_sources or not self.cfg.eval.every_steps:

@@ -1,0 +1,145 @@
+"""The rank watch's decisions (vlrft/rank_watch.py), driven tick by tick on an in-memory store
+and a made-up clock: no processes, threads or sleeps. The 2-rank runs are in
+tests/integration/test_rank_failure.py."""
+
+import pytest
+
+from vlrft import rank_watch
+from vlrft.config import ConfigError, load_config
+from vlrft.rank_watch import RankWatch, Silence, next_watched
+
+
+class MemoryStore:
+    """The calls the watch makes on a torch.distributed Store; `gone` makes every call fail as a
+    closed TCPStore does."""
+
+    def __init__(self):
+        self.values: dict[str, object] = {}
+        self.gone = False
+
+    def _check(self):
+        if self.gone:
+            raise RuntimeError("Broken pipe")
+
+    def add(self, key, amount):
+        self._check()
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def set(self, key, value):
+        self._check()
+        self.values[key] = value.encode()
+
+    def get(self, key):
+        self._check()
+        return self.values[key]
+
+
+def watches(store, world, timeout_s=60.0):
+    return [RankWatch(store, r, world, timeout_s) for r in range(world)]
+
+
+def test_the_ring_skips_finished_ranks_and_ends_when_all_have():
+    assert next_watched(0, 4, set()) == 1
+    assert next_watched(3, 4, set()) == 0
+    assert next_watched(1, 4, {2, 3}) == 0
+    assert next_watched(1, 4, {0, 2, 3}) is None
+    assert next_watched(0, 1, set()) is None
+
+
+def test_silence_counts_from_the_last_change_by_this_ranks_clock():
+    silence = Silence()
+    assert silence.heard(1, 5, now=100.0) == 0.0  # first sight: nothing to compare with
+    assert silence.heard(1, 5, now=130.0) == 30.0
+    assert silence.heard(1, 6, now=131.0) == 0.0
+    assert silence.heard(1, 6, now=140.0) == 9.0
+
+
+def test_live_peers_never_stop_anyone():
+    store = MemoryStore()
+    ranks = watches(store, 3)
+    for now in range(0, 300):
+        for watch in ranks:
+            assert watch.tick(float(now)) == (None, False)
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, 60.0])
+def test_a_silent_peer_is_dead_after_the_timeout_and_only_its_watcher_finds_it(timeout_s):
+    store = MemoryStore()
+    r0, r1, r2 = watches(store, 3, timeout_s)
+    for now in range(3):
+        for watch in (r2, r0, r1):
+            watch.tick(float(now))
+    # rank 2 is killed after its tick at t=2: only rank 1 (just before it in the ring) watches it
+    now = 2.0
+    while now < 2.0 + timeout_s - 1:
+        now += 1.0
+        assert r0.tick(now) == (None, False) and r1.tick(now) == (None, False)
+    now += 1.0
+    assert r0.tick(now) == (None, False)
+    assert r1.tick(now) == (f"rank 2 has not been heard from for {timeout_s:.0f} s (killed?)", True)
+
+
+def test_a_recorded_failure_stops_every_other_rank_with_its_line(monkeypatch, capsys):
+    monkeypatch.setattr(rank_watch, "ACK_WAIT_S", 0.0)  # nobody here reads it back
+    store = MemoryStore()
+    r0, r1, r2 = watches(store, 3)
+    for watch in (r0, r1, r2):
+        watch.tick(0.0)
+    r1.fail("vlrft: error: disk full", "rank 1 failed with OSError (its message is above)")  # prints, records
+    assert r0.tick(1.0) == ("rank 1 failed with OSError (its message is above)", False)
+    assert r2.tick(1.0) == ("rank 1 failed with OSError (its message is above)", False)
+    assert capsys.readouterr().err == "vlrft: error: disk full\n"  # the failing rank's message, once
+
+
+def test_a_rank_that_finished_cleanly_is_not_dead_and_its_watcher_moves_on():
+    store = MemoryStore()
+    r0, r1, r2 = watches(store, 3, timeout_s=5.0)
+    for watch in (r0, r1, r2):
+        watch.tick(0.0)
+    r1.stop()
+    for now in range(1, 20):  # rank 1 is silent for good, but finished
+        assert r0.tick(float(now)) == (None, False)
+        assert r2.tick(float(now)) == (None, False)
+    # rank 0 now watches rank 2: a kill of rank 2 (it ticks no more) is still found
+    for now in range(20, 25):
+        assert r0.tick(float(now)) == (None, False)
+    assert r0.tick(25.0) == ("rank 2 has not been heard from for 5 s (killed?)", True)
+
+
+def test_a_store_that_stops_answering_counts_as_a_silent_peer():
+    store = MemoryStore()
+    (r0, r1) = watches(store, 2, timeout_s=10.0)
+    r0.tick(0.0)
+    r1.tick(0.0)
+    store.gone = True  # rank 0 hosted it and was killed
+    for now in range(1, 10):
+        assert r1.tick(float(now)) == (None, False)
+    reason, found_here = r1.tick(10.0)
+    assert reason == "the rendezvous store has not answered for 10 s (its host, rank 0 or torchrun, gone?)"
+    assert not found_here  # nowhere to record it: every rank finds it itself
+
+
+def test_after_a_clean_stop_the_watch_never_ends_the_process():
+    store = MemoryStore()
+    r0, r1 = watches(store, 2, timeout_s=10.0)
+    r0.tick(0.0)
+    store.gone = True  # e.g. rank 0 hosted the store and has already exited cleanly
+    r1.tick(1.0)
+    r1.stop()  # must not touch the lost store
+    assert r1.tick(11.0)[0] is not None  # a late tick would find a reason to stop...
+    r1._end("late", found_here=False)  # ...but ending returns instead of calling os._exit
+
+
+def test_off_in_a_world_of_one_fail_only_prints(capsys):
+    watch = RankWatch(None, 0, 1, 60.0)
+    assert not watch.active
+    watch.start().fail("vlrft: error: disk full", "unused")
+    watch.stop()
+    assert capsys.readouterr().err == "vlrft: error: disk full\n"
+
+
+def test_peer_timeout_must_not_be_negative(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: {path: m}\ndata: {train_path: t.jsonl}\nguards: {peer_timeout_s: -1}\n")
+    with pytest.raises(ConfigError, match=r"^config key 'guards.peer_timeout_s' must be >= 0 \(0 = off\), got -1"):
+        load_config(str(tmp_path / "c.yaml"))

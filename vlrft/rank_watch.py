@@ -1,0 +1,204 @@
+"""One rank fails, every rank stops, fast (guards.peer_timeout_s).
+
+Without this, a rank that raises (a full disk while saving, a bad batch, a dead reward server)
+or is killed leaves its peers waiting in their next collective until the process group's
+60-minute timeout: NCCL never notices a dead peer, and gloo only inside a collective.
+
+Each rank of a world > 1 runs a daemon thread that, every TICK_S, bumps its heartbeat counter in
+the process group's key-value store, reads the failure count (a rank that raises records one
+line there: `RankWatch.fail`) and reads the heartbeat of the next rank in ring order that has not
+finished cleanly. Any set of dead ranks short of all has a live rank just before one of them, so
+the ring finds every death with O(1) store calls per rank and tick (all-to-all would put O(world²)
+on the one store). A peer is dead when its counter has not moved for `timeout_s` by this rank's
+own monotonic clock (nodes' clocks are never compared); the store is dead when it has not
+answered for as long. The rank that finds a death records it, so every rank stops with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+TICK_S = 1.0
+# How long a failing rank waits for its peers to read its record before it exits: when it hosts
+# the store (rank 0 outside torchrun), the store goes with it.
+ACK_WAIT_S = 5.0
+# How long a rank that read a failure record stays after telling the failing rank so: the failing
+# rank then exits first, and torchrun names the first rank to exit as the root cause.
+LINGER_S = 2.0
+STOPPED_EXIT_CODE = 1
+
+
+def next_watched(rank: int, world: int, finished: set[int]) -> int | None:
+    """The first rank after `rank` in ring order that has not finished cleanly (None: all have)."""
+    for offset in range(1, world):
+        peer = (rank + offset) % world
+        if peer not in finished:
+            return peer
+    return None
+
+
+class Silence:
+    """Seconds since a counter last moved, by this rank's clock."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def heard(self, who: int, count: int, now: float) -> float:
+        last = self._seen.get(who)
+        if last is None or last[0] != count:
+            self._seen[who] = (count, now)
+            return 0.0
+        return now - last[1]
+
+
+class RankWatch:
+    """This rank's watch over its peers. `store` None: off (a world of one, or timeout 0); `fail`
+    then only prints."""
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float, prefix: str = "vlrft/rank_watch/"):
+        self.store, self.rank, self.world, self.timeout_s, self.prefix = store, rank, world, timeout_s, prefix
+        self.silence = Silence()
+        self.finished: set[int] = set()  # ranks that stopped their watch cleanly
+        self.last_answer: float | None = None  # when the store last answered
+        self.store_lost = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # held by whichever of `_end` and `fail`/`stop` comes first
+        self._thread = threading.Thread(target=self._run, name="vlrft-rank-watch", daemon=True)
+
+    @property
+    def active(self) -> bool:
+        return self.store is not None
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def start(self) -> RankWatch:
+        if self.active:
+            self._thread.start()
+        return self
+
+    def tick(self, now: float) -> tuple[str | None, bool]:
+        """One round: heartbeat and reads. Returns (why this rank must stop, or None; whether this
+        rank found it, so must record it for the others)."""
+        if self.last_answer is None:
+            self.last_answer = now
+        if not self.store_lost:
+            try:
+                return self._read(now)
+            except Exception:  # noqa: BLE001 - any store error
+                # Closed or frozen: later calls would fail the same way (each printing a C++
+                # trace), so stop calling and give the store the same time a silent peer gets.
+                self.store_lost = True
+        silent = now - self.last_answer
+        if silent >= self.timeout_s:
+            return f"the rendezvous store has not answered for {silent:.0f} s (its host, rank 0 or torchrun, gone?)", False
+        return None, False
+
+    def _read(self, now: float) -> tuple[str | None, bool]:
+        store = self.store
+        store.add(self._key(f"heartbeat/{self.rank}"), 1)
+        failed = store.add(self._key("failures"), 0) > 0
+        peer = next_watched(self.rank, self.world, self.finished)
+        while peer is not None and store.add(self._key(f"finished/{peer}"), 0) > 0:
+            self.finished.add(peer)
+            peer = next_watched(self.rank, self.world, self.finished)
+        count = store.add(self._key(f"heartbeat/{peer}"), 0) if peer is not None else 0
+        reason = store.get(self._key("failure")).decode() if failed else None  # set before the count
+        self.last_answer = now
+        if reason is not None:
+            return reason, False
+        silent = self.silence.heard(peer, count, now) if peer is not None else 0.0
+        if silent >= self.timeout_s:
+            return f"rank {peer} has not been heard from for {silent:.0f} s (killed?)", True
+        return None, False
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            reason, found_here = self.tick(time.monotonic())
+            if reason is not None:
+                self._end(reason, found_here)
+                return
+
+    def _end(self, reason: str, found_here: bool) -> None:
+        # A tick for this rank's own main thread to reach `fail` first: when every rank raises
+        # after the same collective, each prints its own message.
+        if self._stop.wait(TICK_S):
+            return
+        with self._lock:
+            if self._stop.is_set():
+                return
+            print(f"vlrft: rank {self.rank} stops: {reason}", file=sys.stderr, flush=True)
+            if found_here:
+                self._record(reason, expected=self.world - 1)  # the dead rank never reads it
+            elif not self.store_lost:
+                self._settle()
+                time.sleep(LINGER_S)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # os._exit, not an exception or sys.exit: those would end only this thread, while
+            # the main thread may sit in a collective that never returns; atexit handlers and
+            # the process group's destruction could block on the dead peer the same way.
+            os._exit(STOPPED_EXIT_CODE)
+
+    def _settle(self) -> None:
+        """Tell a failing rank that this one has read its record (or failed itself)."""
+        try:
+            self.store.add(self._key("settled"), 1)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting
+            pass
+
+    def _record(self, reason: str, expected: int) -> None:
+        """Leave `reason` for every rank to stop on, then wait (ACK_WAIT_S at most) until
+        `expected` ranks have read it, so that a store this rank hosts outlives the reading."""
+        if self.store_lost:
+            return
+        try:
+            self.store.set(self._key("failure"), reason)
+            self.store.add(self._key("failures"), 1)
+            self.store.add(self._key("settled"), 1)
+            deadline = time.monotonic() + ACK_WAIT_S
+            while self.store.add(self._key("settled"), 0) < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: the others find that out themselves
+            pass
+
+    def _hold_off(self) -> None:
+        """No stop from the watch thread after this returns (it may be exiting the process now)."""
+        with self._lock:
+            self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def fail(self, message: str, reason: str) -> None:
+        """This rank failed: print `message` (here only, so it appears once), then record
+        `reason` (one line naming this rank) so that every other rank stops on it."""
+        self._hold_off()
+        print(message, file=sys.stderr, flush=True)
+        if self.active:
+            self._record(reason, expected=self.world)
+
+    def stop(self) -> None:
+        """A clean finish (or a stop on a signal): the watch never fires after this, and the rank
+        watching this one moves on to the next instead of waiting for a heartbeat."""
+        self._hold_off()
+        if self.active and not self.store_lost:
+            try:
+                self.store.add(self._key(f"finished/{self.rank}"), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                pass
+
+
+def start_rank_watch(timeout_s: float) -> RankWatch:
+    """Watch this rank's peers (guards.peer_timeout_s; 0 = off). Call once the process group
+    exists; in a world of one the watch is off."""
+    from vlrft.distributed import rank, watch_store, world_size
+
+    if world_size() == 1 or timeout_s <= 0:
+        return RankWatch(None, rank(), world_size(), timeout_s)
+    # torchrun's store outlives a restart of the workers: the keys of a failed attempt must not
+    # stop the next one.
+    prefix = f"vlrft/rank_watch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return RankWatch(watch_store(timeout_s), rank(), world_size(), timeout_s, prefix).start()

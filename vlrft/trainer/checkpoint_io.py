@@ -1,0 +1,95 @@
+"""What SPMDTrainer writes into a checkpoint and reads back (layout, atomicity and the resume
+checks: trainer/checkpoint.py). Kept apart from the loop so the loop file stays the loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlrft.config import to_dict
+from vlrft.distributed import barrier
+from vlrft.trainer.checkpoint import (
+    cpu_state_dict,
+    clear_temporaries,
+    fsync_tree,
+    load_state,
+    publish,
+    rng_state,
+    set_rng_state,
+    step_dir_name,
+    temporary_dir,
+)
+
+
+def save_checkpoint(trainer) -> Path:
+    """Write `trainer`'s current step as a checkpoint (collective); returns its final path."""
+    temporary = temporary_dir(trainer.out_dir, trainer.global_step)
+    if trainer.rank == 0:
+        clear_temporaries(trainer.out_dir)
+        temporary.mkdir(parents=True)
+    barrier()
+    trainer.backend.save_checkpoint(temporary / "policy")
+    if trainer.critic is not None:
+        trainer.critic.save_checkpoint(temporary / "critic")
+    torch.save(
+        {
+            "rng": rng_state(),
+            "buffer_generator": trainer.buffer.generator.get_state(),
+            "prompts_consumed": trainer.sampler.consumed,
+            "ptx_position": trainer.ptx.position if trainer.ptx is not None else 0,
+        },
+        temporary / f"rank{trainer.rank}.pt",
+    )
+    if trainer.rank == 0:
+        moving_reference = trainer.reference is not None and trainer.cfg.algo.kl.ref_ema_eta > 0
+        torch.save(
+            {
+                "step": trainer.global_step,
+                "world_size": trainer.world_size,
+                "config": to_dict(trainer.cfg),
+                "kl_controller": trainer.kl_controller.state_dict(),
+                "return_stats": trainer.return_stats.state_dict() if trainer.return_stats is not None else None,
+                "policy_ema": trainer.policy_ema,
+                "reference": cpu_state_dict(trainer.reference) if moving_reference else None,
+                "eval_history": [(int(step), float(accuracy)) for step, accuracy in trainer.eval_history],
+                "zero_reward_streak": trainer.zero_reward_watch.streak,
+            },
+            temporary / "trainer.pt",
+        )
+    # Every rank flushes what it wrote (on a network file system only the writer can); rank 0
+    # flushes the whole tree again in publish, once every rank's files exist.
+    fsync_tree(temporary)
+    barrier()  # every rank's files are complete and on disk: only now may the checkpoint appear
+    if trainer.rank == 0:
+        publish(temporary, trainer.cfg.checkpoint.keep_last)
+    barrier()
+    return temporary.with_name(step_dir_name(trainer.global_step))
+
+
+def load_checkpoint(trainer, path: Path) -> None:
+    """Continue exactly where the checkpoint left off (every rank). Rank 0 validated it already
+    (checkpoint.resume_decision), before anything after it was discarded."""
+    state = load_state(path / "trainer.pt")
+    mine = load_state(path / f"rank{trainer.rank}.pt")
+    trainer.backend.load_checkpoint(path / "policy")
+    if trainer.critic is not None:
+        trainer.critic.load_checkpoint(path / "critic")
+    trainer.global_step = state["step"]
+    trainer.kl_controller.load_state_dict(state["kl_controller"])
+    if trainer.return_stats is not None:
+        trainer.return_stats.load_state_dict(state["return_stats"])
+    if trainer.policy_ema is not None:
+        trainer.policy_ema = state["policy_ema"]
+    if state["reference"] is not None:
+        trainer.reference.load_state_dict(state["reference"])
+    trainer.eval_history = [tuple(entry) for entry in state["eval_history"]]
+    trainer.zero_reward_watch.streak = state["zero_reward_streak"]
+    trainer.sampler.consumed = mine["prompts_consumed"]
+    if trainer.ptx is not None:
+        trainer.ptx.position = mine["ptx_position"]
+    trainer.buffer.generator.set_state(mine["buffer_generator"])
+    trainer.engine.update_weights(trainer.policy_weights())  # serve the restored policy
+    if trainer.rank == 0:
+        print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
+    set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams

@@ -1,0 +1,78 @@
+"""The run's guards (docs/guards.md): what the trainer checks every step so that a failure that
+would not raise stops the run, or warns, with one line naming the culprit.
+
+- weight sync: the engine serves what the trainer trained (trainer/sync_check.py)
+- reward and environment stalls: a step's calls fit a wall-clock budget (rewards/budget.py)
+- stuck reward components and memory growth (trainer/watches.py)
+
+(A rank that fails or dies stops every rank: vlrft/rank_watch.py. Rewards that are all zero:
+`algo.zero_reward_patience`.)"""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.config import GuardsConfig
+from vlrft.distributed import all_gather_1d, all_gather_objects
+from vlrft.rewards.budget import CALL_KINDS, STEP_BUDGET
+from vlrft.trainer.sync_check import SyncCheck
+from vlrft.trainer.watches import (
+    ComponentWatch,
+    MemoryWatch,
+    MIB,
+    component_ranges,
+    memory_metrics,
+    merge_ranges,
+    stuck_components,
+)
+from vlrft.types import Experience
+
+
+class RunGuards:
+    def __init__(self, cfg: GuardsConfig, engine, engine_name: str, component_names: list[str], rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.component_names = component_names
+        self.sync = SyncCheck(engine, engine_name, cfg.sync_max_logprob_gap)
+        self.components = ComponentWatch(cfg.component_patience)
+        self.memory = {"perf/host_rss_gib": MemoryWatch(cfg.memory_window),
+                       "perf/cuda_allocated_gib": MemoryWatch(cfg.memory_window)}
+
+    def start_step(self) -> None:
+        STEP_BUDGET.start(self.cfg.step_reward_budget_s)
+
+    def before_update(self, model: torch.nn.Module, experiences: list[Experience]) -> None:
+        self.sync.before_update(model, experiences)
+
+    def after_sync(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        return self.sync.after_sync(model, step)
+
+    def after_step(self, generated: list[Experience]) -> dict[str, float]:
+        """Slowest calls, stuck components and memory of the step (a collective); warns."""
+        slowest = all_gather_1d(torch.tensor([STEP_BUDGET.slowest[kind] for kind in CALL_KINDS]))
+        slowest = slowest.view(-1, len(CALL_KINDS)).max(dim=0).values.tolist()
+        metrics = {f"perf/slowest_{kind}_call_seconds": seconds for kind, seconds in zip(CALL_KINDS, slowest)}
+        metrics |= self._components(generated)
+        return metrics | self._memory()
+
+    def _components(self, generated: list[Experience]) -> dict[str, float]:
+        local = component_ranges([e.reward_components for e in generated], self.component_names)
+        stuck = stuck_components(merge_ranges(all_gather_objects(local)))
+        for name in self.components.update(stuck):
+            if self.rank == 0:
+                paying = ", ".join(n for n in self.component_names if n not in stuck)
+                print(f"vlrft: warning: reward component '{name}' gave every sample the same score (0 or less) for "
+                      f"{self.cfg.component_patience} steps while {paying} paid out: a broken verifier, or a task "
+                      "too hard for the policy yet (guards.component_patience)", flush=True)
+        return {"reward/stuck_components": float(len(stuck))}
+
+    def _memory(self) -> dict[str, float]:
+        mine = memory_metrics()
+        for key, value in mine.items():
+            watch = self.memory.get(key)
+            slope = watch.update(value * 2**30) if watch is not None else None
+            if slope is not None:
+                print(f"vlrft: warning: rank {self.rank}: {key.split('/')[1]} grew at every one of the last "
+                      f"{self.cfg.memory_window} steps, by {slope / MIB:.1f} MiB per step (now {value:.2f} GiB): "
+                      "something is kept from step to step (guards.memory_window)", flush=True)
+        values = all_gather_1d(torch.tensor(list(mine.values()), dtype=torch.float64)).view(-1, len(mine))
+        return dict(zip(mine, values.max(dim=0).values.tolist()))  # the largest rank's

@@ -94,7 +94,7 @@ def test_step_budget_cuts_a_call_short_and_names_it():
         with pytest.raises(CallStalled, match=r"reward recipe 'slow' on sample 'row-7'.*guards.step_reward_budget_s"):
             call_recipe(lambda c, s: time.sleep(5), ["x"], [{"id": "row-7"}], {}, 60.0, "reward recipe 'slow' on sample 'row-7'")
         assert time.monotonic() - start < 2.0
-        assert budget.STEP_BUDGET.slowest["reward"] >= 0.3
+        assert budget.STEP_BUDGET.slowest["reward"] > 0.25  # cut at the budget, not at 5 s
     finally:
         budget.STEP_BUDGET.start(0)  # no budget for the other tests
     fresh = StepBudget()

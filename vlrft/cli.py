@@ -1,5 +1,5 @@
 """`vlrft train CONFIG [section.key=value ...]`: launched under torchrun, one process per rank.
-`vlrft reward-server --recipe NAME [--kwargs JSON]`: serve a reward recipe over HTTP.
+`vlrft reward-server --recipe NAME [--kwargs JSON] [--host H --token-file F]`: serve a reward recipe over HTTP.
 `vlrft report RUN_DIR [--out PATH] [--top-k N]`: an offline HTML report of saved trajectories."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from vlrft.config import load_config
 from vlrft.errors import ConfigError, VlrftError
+from vlrft.rewards.server_cli import add_reward_server_guards, reward_server_options
 from vlrft.trajectory.report import DEFAULT_TOP_K, write_report
 
 
@@ -23,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     server = sub.add_parser("reward-server", help="serve a reward recipe over HTTP (POST /score, GET /health)")
     server.add_argument("--recipe", required=True, help="built-in or plugin name, pkg.mod:fn or file.py:fn")
     server.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the recipe")
-    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--host", default="127.0.0.1", help="any address but loopback needs a token")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--threads", type=int, default=4, help="requests served at once")
     server.add_argument("--timeout-s", type=float, default=60.0, help="per-request recipe timeout")
+    add_reward_server_guards(server)
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained) and report.json")
     report.add_argument("run_dir", help="run directory holding trajectories/ (and metrics.jsonl)")
     report.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html; the .json goes next to it)")
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = json.loads(args.kwargs)
             if not isinstance(kwargs, dict):
                 raise ConfigError(f"--kwargs must be a JSON object, got {args.kwargs}")
-            serve(args.recipe, kwargs, args.host, args.port, args.threads, args.timeout_s)
+            serve(args.recipe, kwargs, reward_server_options(args))
             return 0
         if args.command == "report":
             for path in write_report(args.run_dir, args.out, args.top_k):

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import io
+import warnings
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
-from vlrft.data.encoding import load_rgb_image
+# What a sender may put under "png_base64": our client sends PNG; fewer decoders, less to attack.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+class WireError(ValueError):
+    """A sample the server cannot decode; one line naming the sample and image."""
+
+
+class PixelLimitError(WireError):
+    """An image, or a request's images together, over a pixel limit."""
 
 # Fields a remote recipe receives; the rest of a sample (tensors, internal state) stays local.
 SAMPLE_FIELDS = ("id", "answer", "data_source", "meta", "messages", "prompt", "images",
@@ -25,13 +36,27 @@ def encode_samples(samples: list[dict]) -> list[dict]:
     return out
 
 
-def decode_samples(samples: list[dict]) -> list[dict]:
-    """The inverse of encode_samples: images back to PIL."""
+def decode_samples(samples: list[dict], max_image_pixels: int | None = None,
+                   max_request_pixels: int | None = None) -> list[dict]:
+    """The inverse of encode_samples: images back to RGB PIL images. Every image's size is read
+    from its header first, so an image (or all of them together) over a pixel limit is refused
+    before any is decoded: a 78 KB PNG can declare a quarter of a gigabyte of pixels."""
+    opened, total = [], 0
+    for i, sample in enumerate(samples):
+        images = sample.get("images", [])
+        if not isinstance(images, list):
+            raise WireError(f"sample {i}: 'images' must be a list")
+        headers = [_open(img, f"sample {i} image {k}", max_image_pixels) for k, img in enumerate(images)]
+        total += sum(img.width * img.height for img in headers)
+        if max_request_pixels is not None and total > max_request_pixels:
+            raise PixelLimitError(f"the request's images hold over {max_request_pixels} pixels "
+                                  f"(--max-request-pixels), {total} by sample {i}")
+        opened.append(headers)
     out = []
-    for sample in samples:
+    for i, (sample, headers) in enumerate(zip(samples, opened)):
         item = dict(sample)
         if "images" in item:
-            item["images"] = [_image(img) for img in item["images"]]
+            item["images"] = [_decode(img, f"sample {i} image {k}") for k, img in enumerate(headers)]
         out.append(item)
     return out
 
@@ -42,5 +67,30 @@ def _png(image: Image.Image) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _image(encoded: dict) -> Image.Image:
-    return load_rgb_image(io.BytesIO(base64.b64decode(encoded["png_base64"])))
+def _open(encoded, where: str, max_pixels: int | None) -> Image.Image:
+    """The image with only its header read, its size checked."""
+    if not isinstance(encoded, dict) or not isinstance(encoded.get("png_base64"), str):
+        raise WireError(f"{where}: must be {{'png_base64': str}}")
+    try:
+        raw = base64.b64decode(encoded["png_base64"], validate=True)
+    except binascii.Error as err:
+        raise WireError(f"{where}: png_base64 is not valid base64 ({err})") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise PixelLimitError(f"{where}: {err}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        raise WireError(f"{where}: not a {'/'.join(IMAGE_FORMATS)} image ({err})") from None
+    if max_pixels is not None and image.width * image.height > max_pixels:
+        raise PixelLimitError(f"{where}: {image.width}x{image.height} is over the limit of "
+                              f"{max_pixels} pixels (--max-image-pixels)")
+    return image
+
+
+def _decode(image: Image.Image, where: str) -> Image.Image:
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
+        raise WireError(f"{where}: cannot decode ({err})") from None

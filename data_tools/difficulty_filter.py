@@ -13,7 +13,9 @@ under `images/`), ready for `data.train_path`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 from pathlib import Path
 
 from data_tools.convert import save_image
@@ -52,13 +54,22 @@ def pass_rates(cfg, rows: list[dict], samples: int, batch_prompts: int = 8) -> l
     return rates
 
 
+def file_stem(row_id) -> str:
+    """A file name for a row's id: its safe characters (at most 64) and a hash of the whole id.
+    An id is data: "../../x" or "/etc/x" must not place a file outside the output directory,
+    and ids that differ only in unsafe characters must not share a file."""
+    text = str(row_id)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", text)[:64]
+    return f"{safe}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
 def storable(row: dict, out: Path) -> dict:
     """The row with image bytes written to out/images (JSON holds paths, not bytes)."""
     messages = []
     for message in row["messages"]:
         content = message["content"]
         if not isinstance(content, str):
-            content = [{**part, "image": save_image(part["image"], out, f"{row['id']}_{k}", row["id"])}
+            content = [{**part, "image": save_image(part["image"], out, f"{file_stem(row['id'])}_{k}", row["id"])}
                        if part["type"] == "image" and isinstance(part["image"], bytes) else part
                        for k, part in enumerate(content)]
         messages.append({**message, "content": content})
@@ -78,11 +89,12 @@ def main() -> None:
     from vlrft.config import load_config
     from vlrft.data.columns import columns_from
     from vlrft.data.dataset import load_rows
+    from vlrft.data.media import media_from
     from vlrft.models.hub import resolve_model_paths
 
     cfg = load_config(args.config, args.overrides)
     resolve_model_paths(cfg)
-    rows = load_rows(cfg.data.train_path, columns_from(cfg.data))
+    rows = load_rows(cfg.data.train_path, columns_from(cfg.data), media_from(cfg.data))
     rates = pass_rates(cfg, rows, args.samples)
     keep = in_band(rates, args.low, args.high)
     args.out.mkdir(parents=True, exist_ok=True)

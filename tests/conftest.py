@@ -111,12 +111,16 @@ def video_data(colour_data, tmp_path_factory):
     colour images (as frame files, fps 1), every other one with an image too: the answer is the
     first frame's colour. {split}_videos.jsonl holds only the video rows."""
     import json
+    import shutil
 
     from vlrft.data.dataset import load_rows
 
     out = tmp_path_factory.mktemp("video")
+    shutil.copytree(colour_data / "images", out / "images")  # rows may name only files inside their data set
     for split in ("train", "test"):
-        rows = load_rows(colour_data / f"{split}.jsonl")
+        shutil.copy(colour_data / f"{split}.jsonl", out)
+    for split in ("train", "test"):
+        rows = load_rows(out / f"{split}.jsonl")
         frames = [r["messages"][0]["content"][0]["image"] for r in rows]
         videos = [
             {"id": f"video-{split}-{k}", "data_source": "video", "answer": rows[k]["answer"], "messages": [{"role": "user", "content": [
@@ -140,6 +144,7 @@ def make_mixed_rollouts(model_path, colour_data, root):
 
     from vlrft.data.dataset import load_rows
     from vlrft.data.encoding import PromptEncoder
+    from vlrft.data.media import MediaPaths
     from vlrft.types import Rollout
 
     Image.new("RGB", (112, 112), (200, 30, 30)).save(root / "big.png")
@@ -155,7 +160,8 @@ def make_mixed_rollouts(model_path, colour_data, root):
     rows[2]["messages"][0]["content"][0]["image"] = str(colour_data / small)
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     encoder = PromptEncoder(model_path, 56 * 56, 112 * 112, 512)
-    prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(root / "rows.jsonl"))]
+    in_colours = MediaPaths(roots=(str(colour_data),))  # rows.jsonl names the colour task's images
+    prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(root / "rows.jsonl", media=in_colours))]
     assert [p.mm_inputs.get("image_grid_thw", torch.zeros(0, 3)).shape[0] for p in prompts] == [0, 1, 2]
     g = torch.Generator().manual_seed(0)
     return [

@@ -86,6 +86,10 @@ class DataConfig:
     # A bad row (load time) or prompt (encoding: unreadable image, too long): `error` stops the
     # run naming it; `skip` drops it with a one-line note and counts it (docs/bad_input.md).
     on_bad_sample: str = "error"
+    # Media paths in rows must resolve (symlinks followed) inside the data set's directory or one
+    # of these (relative to the config file); anything else is bad input (docs/datasets.md).
+    media_roots: list[str] = field(default_factory=list)
+    allow_external_media: bool = False  # lifts that containment, for data one trusts
 
 
 @dataclass
@@ -400,6 +404,7 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
     cfg.data.train_path = resolve(cfg.data.train_path)
     cfg.data.eval_path = resolve(cfg.data.eval_path)
     cfg.data.ptx_path = resolve(cfg.data.ptx_path)
+    cfg.data.media_roots = [resolve(p) for p in cfg.data.media_roots]
     cfg.critic.path = resolve_model(cfg.critic.path)
     cfg.output.dir = resolve(cfg.output.dir)
     if cfg.checkpoint.resume not in ("auto", "never"):

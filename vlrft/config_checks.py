@@ -154,6 +154,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.{key}' must name a column")
     if cfg.data.on_bad_sample not in ON_BAD_SAMPLE:
         raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
+    if "" in cfg.data.media_roots:  # "" would resolve to the working directory, allowing all of it
+        raise ConfigError("config key 'data.media_roots' has an empty entry; each names a directory")
     _validate_rewards(cfg.reward)
 
 

@@ -8,6 +8,7 @@ rank 0 waiting forever in a collective.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,14 +37,15 @@ def write_data(root: Path, colour_data: Path) -> None:
     only draws good rows. skip.jsonl adds three lines that are bad at load time."""
     (root / "not_image.png").write_bytes(b"not a PNG")
     (root / "truncated.png").write_bytes((colour_data / "images" / "train_00001.png").read_bytes()[:60])
+    images = shutil.copytree(colour_data / "images", root / "images")  # rows name files inside their data set
     rank1 = PromptSampler(N_ROWS, PROMPTS, 1, 2, seed=0)
     steps = [[index for _, index in rank1.next_indices()] for _ in range(STEPS)]
     bad = {
         steps[0][0]: row("bad-not_image", root / "not_image.png"),
         steps[0][1]: row("bad-truncated", root / "truncated.png"),
-        steps[1][0]: row("bad-too_long", colour_data / "images" / "train_00002.png", "many more words " * 40),
+        steps[1][0]: row("bad-too_long", images / "train_00002.png", "many more words " * 40),
     }
-    rows = [bad.get(i, row(f"good-{i}", colour_data / "images" / f"train_{i:05d}.png")) for i in range(N_ROWS)]
+    rows = [bad.get(i, row(f"good-{i}", images / f"train_{i:05d}.png")) for i in range(N_ROWS)]
     lines = [json.dumps(r) for r in rows]
     (root / "error.jsonl").write_text("\n".join(lines) + "\n")
     (root / "skip.jsonl").write_text("\n".join(lines + ["{oops", "[1]", json.dumps({"id": "no-answer", "messages": []})]) + "\n")

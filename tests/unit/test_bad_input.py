@@ -10,6 +10,7 @@ optimizer step leaving parameters and AdamW state bit-identical.
 import io
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -48,7 +49,8 @@ def files(tmp_path_factory, colour_data):
     """Bad images and the encode-time cases: kind -> (row, its exact error message as a regex)."""
     root = tmp_path_factory.mktemp("bad_input")
     (root / "recipe.py").write_text(RECIPE)
-    good = colour_data / "images" / "train_00000.png"
+    good = root / "good.png"  # beside the bad images: the test files list `root` in data.media_roots
+    shutil.copy(colour_data / "images" / "train_00000.png", good)
     (root / "not_image.png").write_bytes(b"this is not a PNG file")
     noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))
     buffer = io.BytesIO()
@@ -115,7 +117,7 @@ def test_bad_row_stops_the_run_naming_file_and_line(case, files, tiny_vl, world_
     path = tmp_path / "train.jsonl"
     write_jsonl(path, [vl_row("good", good), bad])
     with pytest.raises(DataError, match=f"^{re.escape(message.format(path=path))}$"):
-        build(overrides(tiny_vl, path, tmp_path / "run"))
+        build(overrides(tiny_vl, path, tmp_path / "run", f"data.media_roots=[{root}]"))
 
 
 def test_a_file_of_bad_rows_is_an_error_even_when_skipping(files, tiny_vl, world_of_one, tmp_path):
@@ -137,7 +139,8 @@ def test_bad_prompt_stops_the_step_with_its_message(files, tiny_vl, world_of_one
     for kind, index in zip(kinds, drawn):
         rows[index] = cases[kind][0]
     write_jsonl(tmp_path / "train.jsonl", rows)
-    trainer = build(overrides(tiny_vl, tmp_path / "train.jsonl", tmp_path / "run", "rollout.rollout_prompts=1"))
+    trainer = build(overrides(tiny_vl, tmp_path / "train.jsonl", tmp_path / "run", "rollout.rollout_prompts=1",
+                              f"data.media_roots=[{root}]"))
     for kind in kinds:  # the step stops before anything is generated; the next step draws the next row
         with pytest.raises(DataError, match=f"^{cases[kind][1]}$"):
             trainer.train_step()
@@ -148,7 +151,8 @@ def test_bad_eval_prompt_stops_the_run_at_start(files, tiny_vl, world_of_one, tm
     write_jsonl(tmp_path / "train.jsonl", [vl_row("good", good)])
     write_jsonl(tmp_path / "eval.jsonl", [vl_row("good", good), cases["not_image"][0]])
     with pytest.raises(DataError, match=f"^{cases['not_image'][1]}$"):
-        build(overrides(tiny_vl, tmp_path / "train.jsonl", tmp_path / "run", f"data.eval_path={tmp_path / 'eval.jsonl'}"))
+        build(overrides(tiny_vl, tmp_path / "train.jsonl", tmp_path / "run", f"data.eval_path={tmp_path / 'eval.jsonl'}",
+                        f"data.media_roots=[{root}]"))
 
 
 def test_skip_counts_bad_rows_and_prompts_and_trains_on(files, tiny_vl, world_of_one, bomb_limit, tmp_path, capsys):
@@ -164,6 +168,7 @@ def test_skip_counts_bad_rows_and_prompts_and_trains_on(files, tiny_vl, world_of
     write_jsonl(evaluation, [vl_row("eval-good", good), vl_row("eval-bad", root / "not_image.png"), b"{"])
     trainer = build(overrides(
         tiny_vl, train, tmp_path / "run", "data.on_bad_sample=skip", "rollout.rollout_prompts=2", "train.lr=0.01",
+        f"data.media_roots=[{root}]",
         f"data.eval_path={evaluation}", f"reward.default=[{{recipe: '{root / 'recipe.py'}:distinct_chars'}}]",
     ))
     assert len(trainer.train_rows) == 6 and len(trainer.eval_prompts) == 1

@@ -77,10 +77,11 @@ def test_qwen3_vl_deepstack_features_reach_the_decoder(vl_models, colour_data, t
 # ------------------------------------------------------------------------------------ videos
 
 
-@pytest.fixture(scope="module")
-def frames(tmp_path_factory):
-    """Five 64x48 frames of different colours."""
-    root = tmp_path_factory.mktemp("frames")
+@pytest.fixture
+def frames(tmp_path):
+    """Five 64x48 frames of different colours, in the test's directory: the data files the
+    tests write there may name them (a row names only files inside its data set)."""
+    root = tmp_path
     paths = []
     for i in range(5):
         Image.new("RGB", (64, 48), (40 * i, 200 - 30 * i, 90 + 20 * i)).save(root / f"f{i}.png")

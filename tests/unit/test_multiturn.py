@@ -94,6 +94,41 @@ def test_calculator_is_exact_and_runs_no_code():
             calculator(bad)
 
 
+# Each must be refused before it computes: the calculator holds the GIL, no timeout can stop it.
+CALCULATOR_BOMBS = {
+    "(((9**64)**64)**64)**64": "result too large",  # small exponents, exploding operands
+    "9**9**9**9": "exponent too large",
+    "(10**4000)*(10**4000)": "exponent too large",
+    "(2**64)**60 * (2**64)**60": "result too large",  # each factor allowed (3840 bits), the product not
+    " * ".join(["2**64"] * 70): "result too large",  # a long chain of allowed factors
+    "-" * 900 + "1": "nested more than",
+    "(" * 150 + "1" + "+1)" * 150: "nested more than",
+    "1" * 100_000: "longer than",  # a 100,000-digit literal
+    "1e300 * 1e300": "number too large",
+    "10.0 ** 60 * 1e300": "number too large",
+    "2 ** 64 / 0": "division by zero",
+    "(-8) ** 0.5": "not a real number",
+}
+
+
+@pytest.mark.parametrize("bomb", CALCULATOR_BOMBS)
+def test_calculator_refuses_work_it_cannot_bound(bomb):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=CALCULATOR_BOMBS[bomb]):
+        calculator(bomb)
+    assert time.perf_counter() - start < 0.5
+    # the policy sees it as the tool's one-line error text
+    observation = ToolEnvironment(["calculator"]).run({"name": "calculator", "arguments": {"expression": bomb}})
+    assert observation.startswith("error: ValueError: ") and "\n" not in observation
+
+
+def test_calculator_stays_exact_within_its_bounds():
+    assert [calculator(f"{x} * {y}") for x, y in ((37, 52), (99, 99), (10, 10))] == ["1924", "9801", "100"]
+    assert calculator("2 ** 64") == "18446744073709551616" and calculator("2 ** -2") == "0.25"
+    assert calculator("(2**64)**60") == str(2**3840)  # at the bit bound's edge, still exact
+    assert calculator("9" * 999) == "9" * 999 and calculator("1.5 * 4") == "6"
+
+
 def test_user_tools_and_the_python_tool(tmp_path):
     (tmp_path / "my_tools.py").write_text("def shout(text):\n    return text.upper()\n")
     env = ToolEnvironment([f"{tmp_path / 'my_tools.py'}:shout", "python"])

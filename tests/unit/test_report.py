@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -182,3 +183,29 @@ def test_multi_turn_records_show_turns_and_observations(tmp_path):
     assert "turn 2 error <b>step raised KeyError: &#x27;x&#x27;</b>" in page
     assert page.count('title="shown by the environment: images/shown.png"') == 1 and "data:image/png;base64," in page
     assert summary["overall"]["entropy/max"] == 0.6 and summary["steps"]["1"]["entropy/max"] == 0.6
+
+
+def test_report_embeds_only_files_of_the_run_directory(tmp_path):
+    """A record is data: images it names outside the run directory (absolute, `..`, a symlink
+    out) are listed as not shown, never embedded; the run's own image still is."""
+    import base64
+    import os
+
+    from tests.report_fixtures import record
+
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (4, 4), (250, 0, 0)).save(outside)
+    run = tmp_path / "run"
+    images = run / "trajectories" / "images"
+    images.mkdir(parents=True)
+    Image.new("RGB", (4, 4), (0, 90, 200)).save(images / "own.png")
+    os.symlink(outside, images / "link.png")
+    named = ["/etc/hostname", "../../secret.png", "images/link.png", str(outside), "images/own.png"]
+    (run / "trajectories" / "step_000001.rank0.jsonl").write_text(json.dumps(record(1, 0, 0, "s", 1.0, 1, "hi", named)) + "\n")
+    page = write_report(run)[0].read_text()
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert sources == ["data:image/png;base64," + base64.b64encode((images / "own.png").read_bytes()).decode()]
+    assert page.count("image outside the run directory, not shown") == 4
+    for path in (outside, Path("/etc/hostname")):  # neither file's bytes, in any form an embed would take
+        if path.is_file():
+            assert base64.b64encode(path.read_bytes()).decode() not in page

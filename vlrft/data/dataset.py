@@ -5,7 +5,8 @@ a list of parts {"type": "text", "text"} / {"type": "image", "image": path or by
 {"type": "video", "video": file path or list of frames (paths or bytes), "fps": optional}. Rows in
 a data set's own columns are mapped first (data/columns.py). Image paths are relative to the
 data set's file (or directory) and are resolved (and checked to exist) at load time, so a
-missing file fails before training starts, naming the row and the path.
+missing file fails before training starts, naming the row and the path. A path that leaves the
+data set's directory and `data.media_roots` is bad input too (data/media.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from vlrft.data.columns import ColumnError, Columns, mapped_row
+from vlrft.data.media import MediaPaths
 from vlrft.errors import VlrftError
 
 
@@ -24,15 +26,18 @@ class DataError(VlrftError, ValueError):
 REQUIRED_FIELDS = ("messages", "answer")
 
 
-def load_rows(path: str | Path, columns: Columns = Columns()) -> list[dict]:
+def load_rows(path: str | Path, columns: Columns = Columns(), media: MediaPaths = MediaPaths()) -> list[dict]:
     """Read and validate a data set (`read_rows`). The first bad row raises its DataError."""
-    return read_rows(path, skip_bad=False, columns=columns)[0]
+    return read_rows(path, skip_bad=False, columns=columns, media=media)[0]
 
 
-def read_rows(path: str | Path, skip_bad: bool, columns: Columns = Columns()) -> tuple[list[dict], list[str]]:
+def read_rows(
+    path: str | Path, skip_bad: bool, columns: Columns = Columns(), media: MediaPaths = MediaPaths()
+) -> tuple[list[dict], list[str]]:
     """(valid rows, one-line problems of the rows left out) of a JSONL file, a parquet file or
     a directory an HF `datasets` data set was saved to (`save_to_disk`). Rows without
-    "messages" go through the column mapping (data/columns.py); image paths become absolute.
+    "messages" go through the column mapping (data/columns.py); image paths become absolute
+    and must stay where `media` allows.
     With `skip_bad` a bad row (invalid JSON, not an object, a missing field, a missing image)
     is left out and its problem returned; otherwise it raises. A data set with no valid row
     raises either way."""
@@ -46,12 +51,13 @@ def read_rows(path: str | Path, skip_bad: bool, columns: Columns = Columns()) ->
     else:
         raise DataError(f"dataset file not found: {path}")
     base = path if path.is_dir() else path.parent
+    media = media.within(path.parent)  # a saved HF data set names files beside its folder too
     rows, problems = [], []
     for number, raw in raw_rows:
         try:
             if isinstance(raw, DataError):
                 raise raw
-            rows.append(_validate_row(raw, path, number, columns, base))
+            rows.append(_validate_row(raw, path, number, columns, base, media))
         except DataError as err:
             if not skip_bad:
                 raise
@@ -64,10 +70,11 @@ def read_rows(path: str | Path, skip_bad: bool, columns: Columns = Columns()) ->
     return rows, problems
 
 
-def canonical_row(raw, number: int, columns: Columns = Columns()) -> dict:
+def canonical_row(raw, number: int, columns: Columns = Columns(), media: MediaPaths = MediaPaths()) -> dict:
     """One row given in Python (the trainer's `step` API) read as a data file's row would be;
-    its image paths are relative to the working directory. Errors name it "prompt:<number>"."""
-    return _validate_row(raw, Path("prompt"), number, columns, Path.cwd())
+    its image paths are relative to the working directory, which stands for the data set's
+    directory. Errors name it "prompt:<number>"."""
+    return _validate_row(raw, Path("prompt"), number, columns, Path.cwd(), media.within(Path.cwd()))
 
 
 def jsonl_rows(path: Path):
@@ -109,7 +116,7 @@ def hf_dataset_rows(path: Path) -> list[dict]:
     return data.with_format("arrow")[:].to_pylist()
 
 
-def _validate_row(row, path: Path, number: int, columns: Columns, base: Path) -> dict:
+def _validate_row(row, path: Path, number: int, columns: Columns, base: Path, media: MediaPaths) -> dict:
     where = f"{path}:{number} (row id {row.get('id', '?')!r})" if isinstance(row, dict) else f"{path}:{number}"
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object")
@@ -128,11 +135,11 @@ def _validate_row(row, path: Path, number: int, columns: Columns, base: Path) ->
     row.setdefault("data_source", "default")
     row.setdefault("meta", {})
     row["answer"] = str(row["answer"])
-    row["messages"] = [_resolve_message(m, base, where) for m in row["messages"]]
+    row["messages"] = [_resolve_message(m, base, where, media) for m in row["messages"]]
     return row
 
 
-def _resolve_message(message: dict, base: Path, where: str) -> dict:
+def _resolve_message(message: dict, base: Path, where: str, media: MediaPaths) -> dict:
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
         raise DataError(f"{where}: each message needs 'role' and 'content'")
     content = message["content"]
@@ -150,24 +157,29 @@ def _resolve_message(message: dict, base: Path, where: str) -> dict:
                 continue
             if not isinstance(image, str) or not image:
                 raise DataError(f"{where}: an image part needs an 'image' path or bytes")
-            part = {**part, "image": existing_file(image, base, where, "image")}
+            part = {**part, "image": existing_file(image, base, where, "image", media)}
         elif kind == "video":
-            part = _resolve_video(part, base, where)
+            part = _resolve_video(part, base, where, media)
         elif kind != "text":
             raise DataError(f"{where}: content part type must be 'text', 'image' or 'video', got {kind!r}")
         parts.append(part)
     return {**message, "content": parts}
 
 
-def existing_file(path: str, base: Path, where: str, what: str) -> str:
-    """`path` made absolute (relative to `base`), or a one-line error when no such file exists."""
+def existing_file(path: str, base: Path, where: str, what: str, media: MediaPaths) -> str:
+    """`path` made absolute (relative to `base`), or a one-line error when it leaves the
+    directories `media` allows (checked first: a refused path's existence is not disclosed) or
+    no such file exists."""
     full = Path(path) if Path(path).is_absolute() else base / path
+    if not media.allows(full):
+        raise DataError(f"{where}: {what} path outside the data set's directory and data.media_roots: {full} "
+                        "(data.allow_external_media: true allows it)")
     if not full.is_file():
         raise DataError(f"{where}: {what} file not found: {full}")
     return str(full)
 
 
-def _resolve_video(part: dict, base: Path, where: str) -> dict:
+def _resolve_video(part: dict, base: Path, where: str, media: MediaPaths) -> dict:
     """A video part with its file, or each of its frame files, made absolute and checked;
     frames given as bytes stay bytes. `fps`, when given, is a positive number."""
     video = part.get("video")
@@ -175,9 +187,10 @@ def _resolve_video(part: dict, base: Path, where: str) -> dict:
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
         raise DataError(f"{where}: a video part's 'fps' must be a positive number, got {fps!r}")
     if isinstance(video, str) and video:
-        return {**part, "video": existing_file(video, base, where, "video")}
+        return {**part, "video": existing_file(video, base, where, "video", media)}
     if isinstance(video, list) and video and all(isinstance(f, (str, bytes)) and f for f in video):
-        return {**part, "video": [f if isinstance(f, bytes) else existing_file(f, base, where, "video") for f in video]}
+        return {**part, "video": [f if isinstance(f, bytes) else existing_file(f, base, where, "video", media)
+                                  for f in video]}
     raise DataError(f"{where}: a video part needs 'video': a file path or a non-empty list of frame images")
 
 

@@ -18,6 +18,9 @@ import torch
 from PIL import Image
 
 DEFAULT_FPS = 2.0  # frames per second sampled from a video file (Qwen-VL's default)
+# Source frames a video file may have: the counting pass reads every frame, and a crafted file
+# can claim an endless stream. 108,000 is an hour at 30 frames per second.
+MAX_SOURCE_FRAMES = 108_000
 VIDEO_PAD = "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -56,7 +59,8 @@ def spaced(count: int, keep: int) -> list[int]:
 def decode_video_file(path: str, fps: float, max_frames: int) -> tuple[list[Image.Image], list[int], float]:
     """Frames of a video file sampled at `fps` (at most `max_frames`, evenly spaced), with their
     indices at that rate. Decoded with OpenCV (installed with the vllm extras): a first pass
-    only counts frames (`grab`, no decoding), the second decodes just the kept ones."""
+    only counts frames (`grab`, no decoding, at most MAX_SOURCE_FRAMES), the second decodes just
+    the kept ones."""
     try:
         import cv2
     except ImportError:
@@ -68,7 +72,9 @@ def decode_video_file(path: str, fps: float, max_frames: int) -> tuple[list[Imag
         count = 0
         while capture.grab():
             count += 1
-        if not count or native_fps <= 0:
+            if count > MAX_SOURCE_FRAMES:
+                raise ValueError(f"longer than {MAX_SOURCE_FRAMES} frames")
+        if not count or not native_fps > 0:  # also a NaN frame rate
             raise ValueError("cannot decode it (no frames or no frame rate)")
         step = max(native_fps / fps, 1.0)  # source frames per sampled frame
         at_rate = [int(k * step) for k in range(int(count / step))] or [0]

@@ -57,24 +57,77 @@ def parse_tool_calls(text: str) -> list[dict]:
     return calls
 
 
-def _evaluate(node: ast.AST) -> float | int:
+# The calculator runs inside the trainer's process holding the GIL, so no timeout can stop
+# it: every operation is refused before it runs if its result could be big, which bounds the
+# work of any expression by construction (`(((9**64)**64)**64)**64` has small exponents but
+# huge operands). Results past these bounds are errors the policy sees, as a typo would be.
+MAX_EXPRESSION_CHARS = 1000
+MAX_DEPTH = 100  # nested operations (a chain `1+1+...` nests one level per operator)
+MAX_EXPONENT = 64
+MAX_INT_BITS = 4096  # about 1233 decimal digits; products of such ints take microseconds
+MAX_FLOAT = 1e300  # past this a float is as good as infinite
+
+
+def _int_result_bits(op: ast.operator, a: int, b: int) -> int:
+    """An upper bound on the bit length of `a op b` for ints (0 for operations that shrink)."""
+    if isinstance(op, ast.Pow):
+        return b * a.bit_length() if b > 0 else 0  # |a|**b < 2**(b * bits(a)); b <= 0 gives a float <= |a|
+    if isinstance(op, ast.Mult):
+        return a.bit_length() + b.bit_length()
+    if isinstance(op, (ast.Add, ast.Sub)):
+        return max(a.bit_length(), b.bit_length()) + 1
+    return 0  # / // %: no larger than the operands
+
+
+def _checked(value):
+    """`value` if it is a real number within the bounds, else the error the policy sees."""
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"number too large (over {MAX_INT_BITS} bits)")
+    if isinstance(value, float) and not (abs(value) <= MAX_FLOAT):  # also catches inf and nan
+        raise ValueError("number too large")
+    if not isinstance(value, (int, float)):  # (-8) ** 0.5 is complex
+        raise ValueError("result is not a real number")
+    return value
+
+
+def _binary(op: ast.operator, a, b):
+    if isinstance(op, ast.Pow) and abs(b) > MAX_EXPONENT:
+        raise ValueError("exponent too large")
+    if isinstance(a, int) and isinstance(b, int) and _int_result_bits(op, a, b) > MAX_INT_BITS:
+        raise ValueError(f"result too large (over {MAX_INT_BITS} bits)")
+    try:
+        return _checked(_OPERATORS[type(op)](a, b))
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    except OverflowError:  # float ** float, or an int too large for a float
+        raise ValueError("number too large") from None
+
+
+def _evaluate(node: ast.AST, depth: int = 0) -> float | int:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"expression nested more than {MAX_DEPTH} deep")
     if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
+        return _evaluate(node.body, depth)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _checked(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponent too large")
-        return _OPERATORS[type(node.op)](left, right)
+        return _binary(node.op, _evaluate(node.left, depth + 1), _evaluate(node.right, depth + 1))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+        return _OPERATORS[type(node.op)](_evaluate(node.operand, depth + 1))
     raise ValueError(f"unsupported expression element {type(node).__name__}")
 
 
 def calculator(expression: str) -> str:
-    """The value of an arithmetic expression (+ - * / // % ** and parentheses)."""
-    value = _evaluate(ast.parse(str(expression), mode="eval"))
+    """The value of an arithmetic expression (+ - * / // % ** and parentheses), exact for ints;
+    an expression past the bounds above raises ValueError (the tool's error text)."""
+    expression = str(expression)
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except (RecursionError, MemoryError):  # the parser's own nesting limit
+        raise ValueError(f"expression nested more than {MAX_DEPTH} deep") from None
+    value = _evaluate(tree)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)

@@ -16,15 +16,18 @@ import torch
 from vlrft.data.columns import Columns
 from vlrft.data.dataset import DataError, read_rows
 from vlrft.data.encoding import PromptEncoder
+from vlrft.data.media import MediaPaths
 from vlrft.distributed import all_reduce_sum
 from vlrft.models.packing import empty_response
 from vlrft.types import Experience, Prompt
 
 
 class BadInput:
-    def __init__(self, mode: str, rank: int, world_size: int, columns: Columns = Columns()):
+    def __init__(self, mode: str, rank: int, world_size: int, columns: Columns = Columns(),
+                 media: MediaPaths = MediaPaths()):
         self.skip = mode == "skip"
         self.columns = columns  # how rows without "messages" are read (data.*_key)
+        self.media = media  # where rows may name media files (data.media_roots, allow_external_media)
         self.rank = rank
         self.world_size = world_size
         self.skipped_rows = 0  # rows left out before training (summed over ranks where rank-local)
@@ -36,7 +39,7 @@ class BadInput:
 
     def load(self, path: str | Path) -> list[dict]:
         """The valid rows of a data set (every rank reads all of it; rank 0 reports)."""
-        rows, problems = read_rows(path, skip_bad=self.skip, columns=self.columns)
+        rows, problems = read_rows(path, skip_bad=self.skip, columns=self.columns, media=self.media)
         self.skipped_rows += len(problems)
         if problems and self.rank == 0:
             for problem in problems:

@@ -20,6 +20,7 @@ from vlrft.errors import ConfigError
 from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
 from vlrft.data.encoding import PromptEncoder
+from vlrft.data.media import media_from
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES
@@ -103,7 +104,8 @@ class SPMDTrainer:
         self.encoder = PromptEncoder.for_config(cfg)
         tokenizer = self.encoder.tokenizer
         self.stop_ids = stop_ids = stop_token_ids(tokenizer)
-        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data))
+        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data),
+                                  media_from(cfg.data))
         self.train_rows = self.bad_input.load(cfg.data.train_path)
         eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})

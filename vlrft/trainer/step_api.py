@@ -74,7 +74,7 @@ def train_on_responses(trainer, prompts: list[dict], responses: list[list], scor
     items, problems = [], []  # a bad row must stop (or be skipped on) every rank, not hang the others
     for i, row in enumerate(prompts):
         try:
-            items.append((canonical_row(row, i, trainer.bad_input.columns), first + i))
+            items.append((canonical_row(row, i, trainer.bad_input.columns, trainer.bad_input.media), first + i))
         except DataError as err:
             problems.append(str(err))
     encoded, skipped = trainer.bad_input.encode(trainer.encoder, items, problems)
@@ -90,7 +90,8 @@ def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> li
     """Each response's logprob (the sum over its tokens, at the sampling temperature) under
     the current policy, for `step`'s prompts and responses. A collective: every rank calls it."""
     check_shapes(len(prompts), responses, responses)
-    encoded = [trainer.encoder.encode(canonical_row(row, i, trainer.bad_input.columns), i) for i, row in enumerate(prompts)]
+    bad_input = trainer.bad_input
+    encoded = [trainer.encoder.encode(canonical_row(row, i, bad_input.columns, bad_input.media), i) for i, row in enumerate(prompts)]
     scored = scored_experiences(encoded, responses, [[0.0] * len(r) for r in responses], trainer.encoder.tokenizer, trainer.stop_ids)
     rollouts = [e.rollout for e in scored]
     placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout

@@ -12,6 +12,7 @@ import base64
 import json
 import math
 import mimetypes
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -242,6 +243,16 @@ def best_and_worst(records: list[dict], top_k: int) -> list[tuple[str, dict]]:
     return [(f"best {i}", r) for i, r in enumerate(best, 1)] + [(f"worst {i}", r) for i, r in enumerate(worst, 1)]
 
 
+def run_file(trajectory_dir: Path, relative) -> Path | None:
+    """The file a record names (relative to `trajectory_dir`) when it resolves, symlinks
+    followed, inside the run directory; else None. A record is data: one naming /etc/hostname
+    or ../../x must not get that file pasted into a page that is meant to be shared."""
+    if not isinstance(relative, str) or not relative:
+        return None
+    path = Path(os.path.realpath(trajectory_dir / relative))
+    return path if path.is_relative_to(os.path.realpath(trajectory_dir.parent)) else None
+
+
 def image_data_uri(path: Path, cache: dict[Path, str | None]) -> str | None:
     """`path` as a data: URI (None when the file is missing); `cache` holds each file once, as
     the responses of a prompt share its images."""
@@ -284,10 +295,12 @@ def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: f
     fact_html = " · ".join(f"{k} <b>{esc(v)}</b>" for k, v in facts.items())
     images = []
     for k, relative in enumerate(record["images"] + record.get("observation_images", [])):
-        uri = image_data_uri(trajectory_dir / relative, image_cache)
-        title = relative if k < len(record["images"]) else f"shown by the environment: {relative}"
+        path = run_file(trajectory_dir, relative)
+        uri = image_data_uri(path, image_cache) if path is not None else None
+        title = str(relative) if k < len(record["images"]) else f"shown by the environment: {relative}"
+        missing = "image not found" if path is not None else "image outside the run directory, not shown"
         images.append(f'<img src="{esc(uri)}" alt="{esc(title)}" title="{esc(title)}">' if uri
-                      else f'<span class="missing">image not found: {esc(relative)}</span>')
+                      else f'<span class="missing">{missing}: {esc(str(relative))}</span>')
     prompt = REPEATED_SPECIAL_TOKEN.sub(lambda m: f"{m[1]}×{len(m[0]) // len(m[1])}", record["prompt_text"])
     return (f'<div class="card {kind}" data-source="{esc(record["data_source"])}">'
             f'<div class="card-head"><span class="badge">{esc(label)}</span>'

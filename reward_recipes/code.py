@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from vlrft.rewards.sandbox import OUTPUT_LIMIT, run_python
+from vlrft.rewards.sandbox import OUTPUT_LIMIT, run_python, run_tests
 
 # A fenced block: ``` + optional language tag, newline, body, closing ```.
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -52,13 +51,10 @@ def _read_tests(sample: dict, index: int) -> str | list[tuple[str, str]] | None:
 
 
 def _passes_asserts(program: str, tests: str, timeout_s: float, memory_mb: int) -> bool:
-    # The tests end by writing a fresh marker to fd 2, so a program that exits early with status 0
-    # (sys.exit(0), os._exit(0)) before the asserts ran does not pass. (A program that floods
-    # stderr past OUTPUT_LIMIT loses the marker too, and fails.)
-    marker = f"unit-tests-done-{secrets.token_hex(8)}"
-    code = f"{program}\n\n{tests}\n\n__import__('os').write(2, {marker!r}.encode())\n"
-    result = run_python(code, timeout_s=timeout_s, memory_mb=memory_mb)
-    return result.passed and marker in result.stderr
+    # The tests run in a harness sandbox of their own that holds the verdict; the program only
+    # answers the calls they make (vlrft/rewards/sandbox.py, run_tests): it cannot read the
+    # tests, exit "successfully" before them, or print its way to a pass.
+    return run_tests(program, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
 
 
 def _passes_case(program: str, stdin: str, expected: str, timeout_s: float, memory_mb: int) -> bool:

@@ -17,8 +17,8 @@ Scoring rule of `math_accuracy`, per completion:
 
 Thread safety: math-verify's default timeouts use `signal.alarm`, which raises outside the main
 thread, so this recipe always passes `parsing_timeout=None` / `timeout_seconds=None` and relies on
-the caller's timeout (vlrft.rewards.guard runs every recipe call in a worker thread). No lock is
-held, so a call abandoned after its timeout cannot block later calls.
+the caller's timeout (vlrft.rewards.guard: a worker process killed at the timeout; the reward
+server calls it from its threads). No lock is held, so concurrent calls cannot block each other.
 """
 
 from __future__ import annotations

@@ -277,6 +277,14 @@ class GuardsConfig:
     peer_timeout_s: float = 60.0
 
 
+@dataclass
+class SandboxConfig:
+    # Model-written code (the code_unit_tests recipe, the python tool) runs in a bubblewrap
+    # sandbox; where there is none the run refuses to start. true runs it anyway, guarded only
+    # inside the interpreter, which a determined program can get past (docs/reward_recipes.md).
+    unsafe_no_isolation: bool = False
+
+
 # Not "off": YAML reads an unquoted off as the boolean false.
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -303,6 +311,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -50,12 +50,18 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
         )
 
 
-def _validate_multi_turn(rollout) -> None:
+def _validate_multi_turn(rollout, unsafe_no_isolation: bool) -> None:
     if not rollout.environment:
         return
     from vlrft.multiturn.environment import resolve_environment
+    from vlrft.multiturn.tools import BUILTIN_TOOLS, ToolEnvironment, resolve_tool
+    from vlrft.rewards.sandbox import check_can_run_code, runs_code
 
-    resolve_environment(rollout.environment)  # one line when it cannot be found or loaded
+    factory = resolve_environment(rollout.environment)  # one line when it cannot be found or loaded
+    tools = rollout.environment_args.get("tools", ["calculator"]) if factory is ToolEnvironment else []
+    for spec in tools if isinstance(tools, list) else []:  # (a malformed list fails when the environment is built)
+        if isinstance(spec, str) and (spec == "python" if spec in BUILTIN_TOOLS else runs_code(resolve_tool(spec)[1])):
+            check_can_run_code(f"tool '{spec}'", unsafe_no_isolation)
     if rollout.max_turns < 1:
         raise ConfigError(f"config key 'rollout.max_turns' must be >= 1, got {rollout.max_turns}")
     if rollout.max_trajectory_tokens < rollout.max_new_tokens:
@@ -139,7 +145,7 @@ def validate(cfg: Config) -> None:
             f"config key 'train.warmup_steps' must be in [0, {optimizer_steps}) (the run's optimizer steps: "
             f"total_steps x ppo_epochs x mini_batches), got {cfg.train.warmup_steps}"
         )
-    _validate_multi_turn(cfg.rollout)
+    _validate_multi_turn(cfg.rollout, cfg.sandbox.unsafe_no_isolation)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
@@ -156,11 +162,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
     if "" in cfg.data.media_roots:  # "" would resolve to the working directory, allowing all of it
         raise ConfigError("config key 'data.media_roots' has an empty entry; each names a directory")
-    _validate_rewards(cfg.reward)
+    _validate_rewards(cfg.reward, cfg.sandbox.unsafe_no_isolation)
 
 
-def _validate_rewards(reward: RewardConfig) -> None:
+def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool) -> None:
     from vlrft.rewards.loading import resolve_recipe  # imports the recipes: unknown names fail here
+    from vlrft.rewards.sandbox import check_can_run_code, runs_code
 
     for source, mix in {"default": reward.default, **reward.by_data_source}.items():
         if not mix:
@@ -170,6 +177,8 @@ def _validate_rewards(reward: RewardConfig) -> None:
             if not spec.recipe:
                 raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
             missing_package(spec.recipe, resolve_recipe(spec.recipe))
+            if runs_code(resolve_recipe(spec.recipe)):
+                check_can_run_code(f"reward recipe '{spec.recipe}'", unsafe_no_isolation)
             if spec.timeout_s <= 0:
                 raise ConfigError(f"reward recipe '{spec.recipe}' in mix '{source}': timeout_s must be > 0")
             name = component_name(spec)

@@ -24,6 +24,7 @@ from vlrft.rewards import RewardMix
 from vlrft.rewards import wire
 from vlrft.rewards.remote import RemoteRewardError, remote_reward
 from vlrft.rewards.server_checks import TOKEN_ENV
+from tests.marks import needs_sandbox
 
 pytestmark = pytest.mark.integration
 
@@ -197,6 +198,7 @@ def test_server_reports_a_busy_port(recipes_file):
     assert proc.stderr.strip().startswith(f"vlrft: error: reward server cannot listen on 127.0.0.1:{port}")
 
 
+@needs_sandbox  # without it the code recipe is refused first, for that
 def test_non_loopback_start_needs_a_token_and_code_needs_opt_in(tmp_path):
     def start(*args, **env):
         cmd = [sys.executable, "-m", "vlrft.cli", "reward-server", "--port", str(free_port()), *args]

@@ -1,4 +1,6 @@
-"""Code-execution reward on real runs (no mocks): passing, failing, hostile and malformed programs."""
+"""Code-execution reward on real runs (no mocks): passing, failing and malformed programs, the
+limits, and running without OS isolation (refused, or opted into). Hostile programs against the
+OS sandbox: test_sandbox_redteam.py."""
 
 import os
 import re
@@ -6,9 +8,10 @@ import time
 
 import pytest
 
+from tests.marks import needs_sandbox
 from reward_recipes.code import extract_program, normalise_output, unit_tests
 from vlrft.rewards import sandbox
-from vlrft.rewards.sandbox import network_namespace_available, run_python
+from vlrft.rewards.sandbox import SandboxUnavailable, run_python, run_tests
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = {"id": "add", "meta": {"tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"}}
@@ -21,17 +24,20 @@ def fenced(code: str, tag: str = "python") -> str:
     return f"Here is my solution:\n```{tag}\n{code}```\nDone."
 
 
+@needs_sandbox
 def test_asserts_right_wrong_and_broken_programs():
     wrong, broken = "def add(a, b):\n    return a - b\n", "def add(a, b)\n    return a + b\n"
     completions = [fenced(ADD), fenced(wrong), fenced(broken), ADD]  # no fence: the whole text is the program
     assert unit_tests(completions, [ADD_TESTS] * 4) == [1.0, 0.0, 0.0, 1.0]
 
 
+@needs_sandbox
 def test_exiting_before_the_asserts_does_not_pass():
     for escape in ["import sys; sys.exit(0)", "import os; os._exit(0)", "exit()"]:
         assert unit_tests([fenced(ADD + escape + "\n")], [ADD_TESTS]) == [0.0], escape
 
 
+@needs_sandbox
 def test_last_python_block_wins():
     wrong = "def add(a, b):\n    return 0\n"
     two = fenced(wrong) + "\nActually:\n" + fenced(ADD, tag="")
@@ -45,6 +51,7 @@ def test_empty_completion_and_rows_without_tests():
     assert unit_tests([fenced(ADD), ""], [{"id": "x", "meta": {}}, {"id": "y"}]) == [None, None]
 
 
+@needs_sandbox
 def test_stdin_cases_all_or_partial():
     samples = [{"id": "sum", "meta": {"test_cases": SUM_CASES}}]
     assert unit_tests([fenced(SUM_PROGRAM)], samples) == [0.0]
@@ -63,6 +70,7 @@ def test_malformed_tests_name_the_sample():
             unit_tests(["print(1)"], [{"id": "row-7", "meta": meta}])
 
 
+@needs_sandbox
 def test_infinite_loop_is_killed_on_time():
     start = time.monotonic()
     result = run_python("while True:\n    pass\n", timeout_s=1.0)
@@ -78,6 +86,7 @@ def resident_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@needs_sandbox
 def test_memory_bomb_fails_inside_the_child_only():
     before = resident_kib()
     result = run_python("x = bytearray(2 * 1024**3)\nprint('allocated')\n", memory_mb=256)
@@ -85,55 +94,104 @@ def test_memory_bomb_fails_inside_the_child_only():
     assert resident_kib() - before < 100 * 1024  # this process did not grow by the bomb
 
 
-@pytest.mark.parametrize("code", [
-    "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 80))\nprint('connected')\n",
-    "import socket\nprint(socket.getaddrinfo('localhost', 80))\n",
-    "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.1:1/').read())\n",
-])
-def test_network_is_refused(code):
-    result = run_python(code)
-    assert not result.passed and "connected" not in result.stdout
-    assert re.search(r"sandbox: socket\.\S+ is not allowed", result.stderr), result.stderr
-
-
-def test_audit_hook_alone_refuses_the_network(monkeypatch):
-    # As on a machine where unshare is not permitted: the child runs in the host's namespace.
-    monkeypatch.setattr(sandbox, "_unshare_prefix", lambda: ())
-    result = run_python("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n")
-    assert not result.passed and "sandbox: socket." in result.stderr
-
-
-def test_network_namespace_has_only_loopback():
-    if not network_namespace_available():
-        pytest.skip("unshare -rn is not permitted here: the audit hook alone refuses the network")
-    result = run_python("print(open('/proc/net/dev').read())")
-    interfaces = [line.split(":")[0].strip() for line in result.stdout.splitlines() if ":" in line]
-    assert result.passed and interfaces == ["lo"]
-
-
-@pytest.mark.parametrize("code", [
-    "import subprocess\nsubprocess.run(['echo', 'hi'])\n",
-    "import os\nos.system('echo hi')\n",
-    "import os\nos.execv('/bin/echo', ['echo', 'hi'])\n",
-    "import os\nif os.fork() == 0:\n    print('hi')\n",
-    "import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})\n",
-])
-def test_process_spawning_is_refused(code):
-    result = run_python(code)
-    assert not result.passed and "hi" not in result.stdout
-    assert "sandbox:" in result.stderr and "not allowed" in result.stderr, result.stderr
-
-
-def test_files_stay_in_a_temporary_directory_that_is_removed(tmp_path):
-    result = run_python("import os\nopen('out.txt', 'w').write('x')\nprint(os.getcwd())\nprint(os.listdir('.'))\n")
-    assert result.passed, result.stderr
-    workdir = result.stdout.splitlines()[0]
-    assert "out.txt" in result.stdout and not os.path.exists(workdir)
-    outside = tmp_path / "escaped.txt"
-    result = run_python(f"open({str(outside)!r}, 'w').write('x')\n")
-    assert not result.passed and not outside.exists() and "outside the sandbox" in result.stderr
-
-
+@needs_sandbox
 def test_output_is_capped():
     result = run_python("while True:\n    print('spam' * 100)\n", timeout_s=3.0)
     assert not result.passed and len(result.stdout) <= 64 * 1024
+
+
+@needs_sandbox
+def test_tests_see_the_programs_objects_and_exceptions():
+    """What a harness in another process must still get right: classes and instances, methods,
+    generators, big globals, arguments changed in place, exceptions by type."""
+    program = """
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+        return self
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from empty stack")
+        return self.items.pop()
+def evens(n):
+    yield from range(0, n, 2)
+def sort_in_place(values):
+    values.sort()
+def parse(text):
+    return int(text)
+TABLE = list(range(100000))
+"""
+    tests = """
+s = Stack()
+s.push(1).push(2)
+assert s.pop() == 2 and s.pop() == 1 and s.items == []
+try:
+    s.pop()
+except IndexError as err:
+    assert "empty" in str(err)
+else:
+    assert False
+assert list(evens(7)) == [0, 2, 4, 6]
+values = [3, 1, 2]
+sort_in_place(values)
+assert values == [1, 2, 3]
+assert TABLE[99999] == 99999 and len(TABLE) == 100000
+assert parse("12") == 12 and {parse("3"): (1.5, b"x", None, {2}, 1j)} == {3: (1.5, b"x", None, {2}, 1j)}
+assert parse(str(2**200)) == 2**200
+try:
+    parse("x")
+except ValueError:
+    pass
+else:
+    assert False
+"""
+    verdict = run_tests(program, tests)
+    assert verdict.passed, verdict.reason
+
+
+@needs_sandbox
+def test_a_failed_verdict_says_why():
+    assert run_tests("def f():\n    return 1\n", "assert f() == 2, 'f is wrong'\n").reason == "fail: AssertionError: f is wrong"
+    assert run_tests("def f():\n    return 1\n", "assert g() == 1\n").reason == "fail: NameError: name 'g' is not defined"
+    slow = run_tests("import time\ntime.sleep(30)\n", "assert True\n", timeout_s=1.0)
+    assert not slow.passed and slow.timed_out and slow.reason == "fail: timed out after 1s"
+
+
+def without_bubblewrap(monkeypatch):
+    from vlrft.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_bubblewrap", lambda: (None, "bubblewrap (bwrap) is not installed"))
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+
+
+def test_without_isolation_code_is_refused_unless_opted_in(monkeypatch, tmp_path):
+    """No bubblewrap: the config refuses to load, a call refuses to run, both in one line; with
+    sandbox.unsafe_no_isolation the run starts (warning once) and programs run under the audit hook."""
+    from vlrft.config import load_config
+    from vlrft.rewards import sandbox
+
+    without_bubblewrap(monkeypatch)
+    with pytest.raises(SandboxUnavailable, match=r"^this call runs model-written code, which needs OS isolation, "
+                                                 r"and bubblewrap \(bwrap\) is not installed: install bubblewrap"):
+        run_python("print(1)")
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {path: m}\ndata: {train_path: t.jsonl}\nreward: {default: [{recipe: code_unit_tests}]}\n")
+    with pytest.raises(SandboxUnavailable, match=r"^reward recipe 'code_unit_tests' runs model-written code.*\(unsafe\)$"):
+        load_config(config)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("model: {path: m}\ndata: {train_path: t.jsonl}\nrollout: {environment: tools, environment_args: {tools: [calculator, python]}}\n")
+    with pytest.raises(SandboxUnavailable, match=r"^tool 'python' runs model-written code"):
+        load_config(tools)
+    load_config(tools, ["rollout.environment_args={tools: [calculator]}"])  # the calculator runs no code
+    cfg = load_config(config, ["sandbox.unsafe_no_isolation=true"])
+    assert "without OS isolation" in sandbox.configure(cfg.sandbox.unsafe_no_isolation)
+    assert run_python("print(6 * 7)").stdout == "42\n"
+    assert unit_tests([fenced(ADD)], [ADD_TESTS]) == [1.0]
+    result = run_python("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n")
+    assert not result.passed and "sandbox: socket." in result.stderr  # the hook is all there is
+    outside = tmp_path / "escaped.txt"
+    result = run_python(f"open({str(outside)!r}, 'w').write('x')\n")
+    assert not result.passed and not outside.exists() and "outside the sandbox" in result.stderr
+    assert sandbox.configure(False) is None and sandbox.UNSAFE_ENV not in os.environ

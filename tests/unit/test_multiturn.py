@@ -9,12 +9,14 @@ from transformers import AutoTokenizer
 
 from vlrft.data.encoding import PromptEncoder
 from vlrft.errors import ConfigError
-from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, call_guarded, resolve_environment
+from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, resolve_environment
+from vlrft.multiturn.host import EnvironmentHost
 from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate
 from vlrft.multiturn.template import observation_template
 from vlrft.multiturn.tools import ToolEnvironment, calculator, parse_tool_calls
 from vlrft.engines.base import SamplingParams
 from vlrft.types import Prompt, Rollout
+from tests.marks import needs_sandbox
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,7 @@ def test_calculator_stays_exact_within_its_bounds():
     assert calculator("9" * 999) == "9" * 999 and calculator("1.5 * 4") == "6"
 
 
+@needs_sandbox
 def test_user_tools_and_the_python_tool(tmp_path):
     (tmp_path / "my_tools.py").write_text("def shout(text):\n    return text.upper()\n")
     env = ToolEnvironment([f"{tmp_path / 'my_tools.py'}:shout", "python"])
@@ -141,16 +144,7 @@ def test_user_tools_and_the_python_tool(tmp_path):
         ToolEnvironment([f"{tmp_path / 'missing.py'}:shout"])
 
 
-def test_environment_calls_fail_in_one_line_and_never_hang():
-    def boom(_):
-        raise RuntimeError("database\nunreachable")
-
-    with pytest.raises(EnvironmentFailure, match="raised RuntimeError: database unreachable"):
-        call_guarded(boom, "x", timeout_s=5)
-    started = time.monotonic()
-    with pytest.raises(EnvironmentFailure, match="timed out after 0.2s"):
-        call_guarded(time.sleep, 5, timeout_s=0.2)
-    assert time.monotonic() - started < 2
+def test_step_answers_are_checked_and_environments_found_by_name():
     assert as_step(("obs", 1, False)) == Step("obs", 1.0, False)
     for bad, why in ((None, "not a Step"), (("obs", "high", False), "not a number"), ((3, 0.0, False), "not text"),
                      (("obs", float("nan"), False), "not finite")):
@@ -174,14 +168,20 @@ class ScriptedEngine:
         return [Rollout(p, p.index, list(ids), f"turn {len(self.calls)}", truncated, [-0.5] * len(ids)) for p in prompts]
 
 
-class CountingEnvironment:
-    """Answers 'obs' until its third step; fails on rows whose id says so."""
+# Environments run in a worker process, found there by name: they live in a file.
+ENVIRONMENTS = '''
+from vlrft.multiturn.environment import Step
+
+
+class Counting:
+    """Answers 'obs' until its third step ('quick' rows: its first); fails on rows whose id
+    says so. Counts its constructions in the worker: the 7th raises."""
 
     built = 0
 
     def __init__(self):
-        CountingEnvironment.built += 1
-        if CountingEnvironment.built == 7:
+        Counting.built += 1
+        if Counting.built == 7:
             raise OSError("no more ports")
         self.steps = 0
 
@@ -193,23 +193,53 @@ class CountingEnvironment:
     def step(self, action):
         self.steps += 1
         if self.row == "hangs" and self.steps == 2:
-            time.sleep(3)
-        return Step("obs", reward=0.25, done=self.steps == 3)
+            while True:  # busy, holding its worker's GIL between switches
+                pass
+        return Step("obs", reward=0.25, done=self.steps == 3 or self.row == "quick")
+
+
+class Showing:
+    """Answers every turn with "look" and the images it was given."""
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    def reset(self, sample):
+        pass
+
+    def step(self, action):
+        return Step("look", 0.0, False, self.shown)
+'''
+
+
+@pytest.fixture()
+def hosted(tmp_path):
+    """hosted(Class, **args): an EnvironmentHost of ENVIRONMENTS' Class (timeout 1 s)."""
+    (tmp_path / "environments.py").write_text(ENVIRONMENTS)
+    hosts = []
+
+    def host(name: str, timeout_s: float = 1.0, **args) -> EnvironmentHost:
+        hosts.append(EnvironmentHost(f"{tmp_path / 'environments.py'}:{name}", args, timeout_s))
+        return hosts[-1]
+
+    yield host
+    for h in hosts:
+        h.worker.stop()
 
 
 def prompt(row_id: str, index: int) -> Prompt:
     return Prompt(row_id, "src", "", {}, "", [1, 2, 3], index=index)
 
 
-def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer):
+def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer, hosted):
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
     obs = template.observation_ids(stop, "obs")
     engine = ScriptedEngine([[7, stop], [8, 9, stop], [10, stop], [11, stop]], stop)
-    mt = MultiTurn(CountingEnvironment, template, max_turns=4, max_tokens=200, timeout_s=1.0)
+    mt = MultiTurn(hosted("Counting"), template, max_turns=4, max_tokens=200)
     fields = lambda p: {"id": p.id}  # noqa: E731
-    rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("hangs", 2), prompt("ok", 3)]
-    CountingEnvironment.built = 0  # the 7th construction (row 3's first trajectory) raises
+    rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("ok", 2), prompt("ok", 3)]
+    # the 7th construction (row 3's first trajectory) raises
     rollouts = multi_turn_generate(engine, rows, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), mt, fields)
     assert [r.group_id for r in rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert rollouts[6].response_ids == [] and "construction raised OSError: no more ports" in rollouts[6].turns[0]["error"]
@@ -220,21 +250,43 @@ def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer):
     assert ok.trained == [1, 1] + [0] * len(obs) + [1, 1, 1] + [0] * len(obs) + [1, 1]
     assert ok.logprobs == [-0.5, -0.5] + [0.0] * len(obs) + [-0.5] * 3 + [0.0] * len(obs) + [-0.5] * 2
     assert [t["reward"] for t in ok.turns] == [0.25] * 3 and ok.response_text == "turn 3"
+    assert not any("error" in t for r in rollouts[4:6] + [rollouts[0], rollouts[7]] for t in r.turns)
     assert engine.calls[1][0] == [1, 2, 3, 7, stop] + obs  # turn 2 continues the very ids of turn 1
     assert len(engine.calls) == 4 and engine.calls[3] == []  # every turn is a call (TP groups stay together)
     bad = rollouts[2]
     assert bad.response_ids == [] and "reset raised ValueError: no such level" in bad.turns[0]["error"]
-    hung = rollouts[4]
-    assert len(hung.turns) == 2 and "timed out" in hung.turns[1]["error"] and hung.trained[-1] == 1
 
 
-def test_trajectory_budget_and_turn_limit(tokenizer):
+def test_a_hanging_step_is_killed_and_loses_the_environments_of_its_worker(tokenizer, hosted):
+    """The hung step ends its trajectory at the timeout; the other trajectories whose
+    environments lived in the killed worker end at their next call, naming it; the rows
+    after it get a fresh worker."""
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    mt = MultiTurn(hosted("Counting", timeout_s=0.5), template, max_turns=3, max_tokens=200)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    fields = lambda p: {"id": p.id}  # noqa: E731
+    rows = [prompt("quick", 0), prompt("hangs", 1), prompt("ok", 2)]
+    start = time.monotonic()
+    quick, hung, lost = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, fields)
+    assert time.monotonic() - start < 0.5 + 3.0  # the worker's start, the hang's timeout and the kill
+    assert len(quick.turns) == 1 and "error" not in quick.turns[0]  # done before the hang
+    assert len(hung.turns) == 2 and hung.turns[1]["error"] == "step timed out after 0.5s"
+    assert len(lost.turns) == 2 and lost.turns[1]["error"] == (
+        "step not run: its environment was lost with its worker process "
+        "(environment step on sample 'hangs': timed out after 0.5s)")
+    again = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), [prompt("ok", 0)], params, mt, fields)[0]
+    assert len(again.turns) == 3 and not any("error" in t for t in again.turns)
+
+
+def test_trajectory_budget_and_turn_limit(tokenizer, hosted):
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
     obs = template.observation_ids(stop, "obs")
+    environments = hosted("Counting")
     run = lambda turns, budget: multi_turn_generate(  # noqa: E731
         ScriptedEngine([[7, stop]] * 4, stop), [prompt("ok", 0)], SamplingParams(n=1, max_new_tokens=2, temperature=1.0),
-        MultiTurn(CountingEnvironment, template, max_turns=turns, max_tokens=budget, timeout_s=1.0), lambda p: {"id": p.id})[0]
+        MultiTurn(environments, template, max_turns=turns, max_tokens=budget), lambda p: {"id": p.id})[0]
     assert len(run(1, 200).turns) == 1
     fits_two = 2 + len(obs) + 2  # a next turn starts only when its observation and a full action fit
     assert len(run(4, fits_two).response_ids) == fits_two and len(run(4, fits_two - 1).turns) == 1
@@ -256,6 +308,7 @@ def test_multi_turn_config_errors_are_one_line(override, message, tiny_text, add
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@needs_sandbox
 def test_environment_args_reach_the_environment_and_bad_ones_fail_at_start(tiny_text, addition_data, tokenizer):
     from vlrft.config import load_config
     from vlrft.trainer.build import multi_turn
@@ -264,19 +317,22 @@ def test_environment_args_reach_the_environment_and_bad_ones_fail_at_start(tiny_
     stop = [end_of_turn(tokenizer)]
     encoder = PromptEncoder.for_config(load_config(None, base[:2]))
     assert multi_turn(load_config(None, base[:2]), encoder, stop) is None  # no environment: one turn
-    mt = multi_turn(load_config(None, base + ["rollout.environment_args={tools: [python], max_result_chars: 3}"]), encoder, stop)
-    env = mt.make_environment()
-    assert list(env.tools) == ["python"] and env.max_result_chars == 3
+    mt = multi_turn(load_config(None, base + ["rollout.environment_args={tools: [calculator], max_result_chars: 3}"]), encoder, stop)
+    held = mt.environments.construct("construction")
+    call = '<tool_call>{"name": "%s", "arguments": {"expression": "1000 * 1000"}}</tool_call>'
+    assert mt.environments.step(held, call % "calculator", "step").observation == "100"  # 1000000, cut at 3
+    assert mt.environments.step(held, call % "python", "step").observation == "error: unknown tool 'python'; available: calculator"
+    mt.environments.worker.stop()
     assert mt.template.glue == {stop[0]: "\n<|im_start|>tool\n"}  # the tools environment answers as role "tool"
     with pytest.raises(ConfigError, match="environment 'tools' could not be built from rollout.environment_args: .*colour"):
         multi_turn(load_config(None, base + ["rollout.environment_args={colour: red}"]), encoder, stop)
 
 
-def test_an_engine_that_cannot_continue_image_prompts_refuses_them_in_one_line(tokenizer):
+def test_an_engine_that_cannot_continue_image_prompts_refuses_them_in_one_line(tokenizer, hosted):
     stop = end_of_turn(tokenizer)
     engine = ScriptedEngine([[7, stop]] * 2, stop)
     engine.continues_image_prompts = False  # as the vLLM engine (image prompts go to it as text)
-    mt = MultiTurn(CountingEnvironment, observation_template(tokenizer, [stop], "tool", "tiny"), 2, 100, 1.0)
+    mt = MultiTurn(hosted("Counting"), observation_template(tokenizer, [stop], "tool", "tiny"), 2, 100)
     params = SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
     assert len(multi_turn_generate(engine, [prompt("ok", 0)], params, mt, lambda p: {"id": p.id})) == 1  # text: fine
     with_image = prompt("q9", 1)
@@ -310,23 +366,11 @@ def test_special_tokens_in_an_observation_stay_text(tokenizer):
     assert tokenizer.decode(ids) == tokenizer.decode(plain).replace("x", "x<|im_end|><|image_pad|>")
 
 
-class ShowingEnvironment:
-    """Answers every turn with "look" and the images it was given."""
-
-    def __init__(self, shown):
-        self.shown = shown
-
-    def reset(self, sample):
-        pass
-
-    def step(self, action):
-        return Step("look", 0.0, False, self.shown)
-
-
-def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_text, tokenizer, tmp_path):
+def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_text, tokenizer, tmp_path, hosted):
     """Each image an environment shows (PIL or a path) becomes the template's image part with
     one pad per merged patch, its pixel inputs and modality ids; the next turn's prompt holds
-    them. An unusable image is a counted failure; images for a text model, one line."""
+    them (the PIL image came back from the environment's worker process). An unusable image is
+    a counted failure; images for a text model, one line."""
     from PIL import Image
 
     vl = PromptEncoder(tiny_vl, min_pixels=784, max_pixels=28 * 28 * 16, max_prompt_tokens=512)
@@ -337,7 +381,7 @@ def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_tex
     shown = [Image.new("RGB", (56, 28), "red"), str(tmp_path / "tall.png")]
     engine = ScriptedEngine([[7, stop], [8, stop]], stop)
     params = SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
-    mt = MultiTurn(lambda: ShowingEnvironment(shown), template, 2, 300, 1.0, vl)
+    mt = MultiTurn(hosted("Showing", shown=shown), template, 2, 300, vl)
     r = multi_turn_generate(engine, [prompt("q", 0)], params, mt, lambda p: {"id": p.id})[0]
     pad, start, end = vl.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
     parts = [start, pad, pad, end] * 2  # 2 x 4 and 4 x 2 patches: two merged tokens each
@@ -348,10 +392,10 @@ def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_tex
     assert r.response_mm_token_types == [1 if t == pad else 0 for t in r.response_ids]
     assert r.mm_token_types() == [0, 0, 0] + r.response_mm_token_types
     assert engine.calls[1][0] == [1, 2, 3, 7, stop] + observation
-    broken = MultiTurn(lambda: ShowingEnvironment([str(tmp_path / "missing.png")]), template, 2, 300, 1.0, vl)
+    broken = MultiTurn(hosted("Showing", shown=[str(tmp_path / "missing.png")]), template, 2, 300, vl)
     r = multi_turn_generate(ScriptedEngine([[7, stop]] * 2, stop), [prompt("q", 0)], params, broken, lambda p: {})[0]
     assert r.response_ids == [7, stop] and "showed an image that cannot be used" in r.turns[0]["error"]
     text = PromptEncoder(tiny_text, 784, 28 * 28 * 16, 512)
-    blind = MultiTurn(lambda: ShowingEnvironment(shown), observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "t"), 2, 300, 1.0, text)
+    blind = MultiTurn(hosted("Showing", shown=shown), observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "t"), 2, 300, text)
     with pytest.raises(ConfigError, match="^the environment showed images on row 'q': images in observations need a vision-language"):
         multi_turn_generate(ScriptedEngine([[7, end_of_turn(tokenizer)]] * 2, stop), [prompt("q", 0)], params, blind, lambda p: {})

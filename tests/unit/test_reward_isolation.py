@@ -1,5 +1,6 @@
 """Every recipe call is isolated: a raise, a hang or malformed output becomes a counted failure
-with the recipe's fallback, and the rest of the mix still scores."""
+with the recipe's fallback, and the rest of the mix still scores. Recipes run in worker
+processes (tests/unit/test_workers.py); those marked `runs_in_trainer` in a trainer thread."""
 
 import math
 import sys
@@ -12,6 +13,7 @@ from tests.recipe_plugin import install_recipe_plugin
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig, load_config
 from vlrft.rewards import RewardMix, available_recipes, resolve_recipe
 from vlrft.rewards.guard import RecipeFailure, abandoned_calls, call_recipe, check_scores
+from vlrft.workers import killed_calls
 
 RECIPES = '''
 import time
@@ -28,6 +30,17 @@ def length(completions, samples):
 
 def split(completions, samples):
     return [{"format": 0.5, "accuracy": 1.0} for c in completions]
+
+def counted(completions, samples):
+    with open(samples[0]["log"], "a") as log:  # the call ran in a worker: it tells the test by file
+        log.write(f"{len(completions)}\\n")
+    return [1.0] * len(completions)
+
+def hangs_in_trainer(completions, samples):
+    time.sleep(samples[0]["sleep"])
+    return [1.0] * len(completions)
+
+hangs_in_trainer.runs_in_trainer = True
 '''
 
 
@@ -44,15 +57,16 @@ def test_raising_and_hanging_recipes_fall_back_and_are_counted(recipes, capsys):
         RecipeSpec(recipe=f"{recipes}:hangs", timeout_s=0.5),  # fallback None: not applicable
         RecipeSpec(recipe=f"{recipes}:length", weight=0.5),
     ]))
-    before = abandoned_calls()
+    killed, abandoned = killed_calls(), abandoned_calls()
     start = time.perf_counter()
     totals, components, _ = mix.score(["ab", "abcd"], [{"data_source": "x"}] * 2)
-    assert time.perf_counter() - start < 2.0  # the hang cost its timeout, not forever
+    assert time.perf_counter() - start < 5.0  # the hang cost its timeout (and three worker starts), not forever
     assert totals == [1.0, 2.0]  # only `length` counted; raises -> 0, hangs -> not applicable
     assert components == [{"raises": 0.0, "length": 2.0}, {"raises": 0.0, "length": 4.0}]
     assert mix.take_failures() == {"raises": 1, "hangs": 1}
     assert mix.take_failures() == {}  # reset by the take
-    assert abandoned_calls() == before + 1
+    assert killed_calls() == killed + 1 and abandoned_calls() == abandoned  # killed with its worker process
+    assert sorted(mix.workers) == sorted(spec.recipe for spec, _ in mix.default)  # a worker per recipe
     err = capsys.readouterr().err
     assert f"reward recipe '{recipes}:raises' failed (raised ValueError: verifier exploded on two lines)" in err
     assert f"reward recipe '{recipes}:hangs' failed (timed out after 0.5s); 2 completions scored None" in err
@@ -88,18 +102,30 @@ def test_call_recipe_passes_kwargs_and_returns_in_time():
     assert got == [6]
 
 
-def test_accuracy_reuses_the_mix_component_and_counts_failures_as_wrong(recipes):
-    calls = []
+def test_a_recipe_that_runs_in_the_trainer_is_called_in_a_thread_and_abandoned(recipes, capsys):
+    from vlrft.rewards.reward_models import generative_judge, scalar_reward_model
+    from vlrft.rewards.remote import remote_reward
 
-    def counting_exact(completions, samples):
-        calls.append(len(completions))
-        return [1.0] * len(completions)
+    assert all(f.runs_in_trainer for f in (scalar_reward_model, generative_judge, remote_reward))
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe=f"{recipes}:hangs_in_trainer", timeout_s=0.3, fallback=0.0)]))
+    killed, abandoned = killed_calls(), abandoned_calls()
+    assert mix.score(["a"], [{"data_source": "x", "sleep": 1.0}])[0] == [0.0]
+    assert abandoned_calls() == abandoned + 1 and killed_calls() == killed and mix.workers == {}  # no worker started
+    assert "hangs_in_trainer' failed (timed out after 0.3s)" in capsys.readouterr().err
+    # No second thread while the abandoned one runs: the next call fails at once.
+    assert mix.score(["a"], [{"data_source": "x", "sleep": 0.0}])[0] == [0.0] and abandoned_calls() == abandoned + 1
+    assert "failed (not run: a call abandoned at its timeout is still running)" in capsys.readouterr().err
+    time.sleep(1.0)  # the abandoned call ends
+    assert mix.score(["a"], [{"data_source": "x", "sleep": 0.0}])[0] == [1.0]
 
-    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe="exact_match")]))
-    mix.accuracy_fn = counting_exact
-    assert mix.accuracy(["x"], [{"answer": "x"}], [{"exact_match": 0.0}]) == [0.0]  # reused, not called
-    assert calls == []
-    assert mix.accuracy(["x"], [{"answer": "x"}], [{}]) == [1.0] and calls == [1]
+
+def test_accuracy_reuses_the_mix_component_and_counts_failures_as_wrong(recipes, tmp_path):
+    log = tmp_path / "calls.log"
+    counted = f"{recipes}:counted"
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe=counted)], accuracy_recipe=counted))
+    assert mix.accuracy(["x"], [{"log": str(log)}], [{"counted": 0.0}]) == [0.0]  # reused, not called
+    assert not log.exists()
+    assert mix.accuracy(["x"], [{"log": str(log)}], [{}]) == [1.0] and log.read_text() == "1\n"
     broken = RewardMix(RewardConfig(accuracy_recipe=f"{recipes}:raises"))
     assert broken.accuracy(["x", "y"], [{}, {}]) == [0.0, 0.0]
 

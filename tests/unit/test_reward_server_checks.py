@@ -154,6 +154,20 @@ def test_start_checks():
     with pytest.raises(ConfigError, match="recipe 'code_unit_tests' executes .* needs --allow-code-recipe"):
         check_start("0.0.0.0", "t", "code_unit_tests", code, allow_code=False)
     check_start("0.0.0.0", "t", "code_unit_tests", code, allow_code=True)
+
+
+def test_a_code_recipe_needs_isolation_or_the_unsafe_opt_in(monkeypatch):
+    """Where bubblewrap cannot run, the server refuses a code recipe, even on loopback."""
+    from vlrft.rewards import sandbox
+
+    code, exact = resolve_recipe("code_unit_tests"), resolve_recipe("exact_match")
+    monkeypatch.setattr(sandbox, "_bubblewrap", lambda: (None, "bubblewrap (bwrap) is not installed"))
+    with pytest.raises(ConfigError, match=r"^reward server recipe 'code_unit_tests' runs model-written code, which "
+                                          r"needs OS isolation, and bubblewrap \(bwrap\) is not installed: .*"
+                                          r"or give --unsafe-no-isolation to run it with only in-process guards \(unsafe\)$"):
+        check_start("127.0.0.1", None, "code_unit_tests", code, allow_code=False)
+    check_start("127.0.0.1", None, "code_unit_tests", code, allow_code=False, unsafe_no_isolation=True)
+    check_start("127.0.0.1", None, "exact_match", exact, allow_code=False)  # no code: no sandbox needed
     with pytest.raises(ConfigError, match="max_body_bytes must be a positive integer"):
         Limits(max_body_bytes=0)
 

@@ -46,14 +46,14 @@ def test_unknown_recipe_lists_builtins():
         resolve_recipe("no_such_pkg.mod:fn")
 
 
-def test_recipe_returning_wrong_count_is_a_named_failure(capsys):
-    cfg = RewardConfig(default=[RecipeSpec(recipe="reward_recipes.format:answer_tag_format", fallback=0.0)])
+def test_recipe_returning_wrong_count_is_a_named_failure(tmp_path, capsys):
+    (tmp_path / "short.py").write_text("def one_score(completions, samples):\n    return [1.0]\n")
+    cfg = RewardConfig(default=[RecipeSpec(recipe=f"{tmp_path / 'short.py'}:one_score", fallback=0.0)])
     mix = RewardMix(cfg)
-    mix.default[0] = (mix.default[0][0], lambda completions, samples: [1.0])
     totals, components, _ = mix.score(["a", "b"], [{"data_source": "x"}] * 2)
-    assert totals == [0.0, 0.0] and components == [{"answer_tag_format": 0.0}] * 2  # the fallback
-    assert mix.take_failures() == {"answer_tag_format": 1}
-    assert "reward recipe 'reward_recipes.format:answer_tag_format' failed (returned 1 scores for 2 completions)" in capsys.readouterr().err
+    assert totals == [0.0, 0.0] and components == [{"one_score": 0.0}] * 2  # the fallback
+    assert mix.take_failures() == {"one_score": 1}
+    assert f"reward recipe '{tmp_path / 'short.py'}:one_score' failed (returned 1 scores for 2 completions)" in capsys.readouterr().err
 
 
 def test_accuracy_uses_the_configured_recipe():

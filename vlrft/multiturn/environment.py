@@ -1,5 +1,5 @@
-"""Environments for multi-turn rollouts: the protocol, finding one by name, and calling it so
-that nothing it does can stop training.
+"""Environments for multi-turn rollouts: the protocol, finding one by name, and checking what
+a step returned. They run in a worker process (multiturn/host.py), where a timeout ends a hung call.
 
 An environment answers the policy's turns. One instance serves one trajectory:
 
@@ -27,7 +27,6 @@ from PIL import Image
 
 from vlrft.errors import ConfigError
 from vlrft.registry import load_callable
-from vlrft.rewards.guard import call_in_thread, failure_text
 
 ENTRY_POINT_GROUP = "vlrft.environments"
 BUILTIN_ENVIRONMENTS = {"tools": "vlrft.multiturn.tools:ToolEnvironment"}
@@ -95,15 +94,3 @@ def as_step(answer: Any) -> Step:
     if not isinstance(images, (list, tuple)) or not all(isinstance(i, (Image.Image, str)) for i in images):
         raise EnvironmentFailure("step's images are not a list of PIL images or image paths")
     return Step(answer.observation, reward, bool(answer.done), list(images))
-
-
-def call_guarded(fn: Callable, *args, timeout_s: float, what: str = "an environment call") -> Any:
-    """fn(*args) in a daemon thread with a wall-clock timeout (vlrft.rewards.guard, as reward
-    recipes are called); anything it raises, or a call that outlives the timeout (abandoned:
-    counted in `reward/abandoned_calls`), is an EnvironmentFailure. `what` names the call when
-    the step's budget stops the run (rewards/budget.py)."""
-    outcome = call_in_thread(lambda: fn(*args), timeout_s, "environment", what)
-    problem = failure_text(outcome, timeout_s)
-    if problem is not None:
-        raise EnvironmentFailure(problem)
-    return outcome["value"]

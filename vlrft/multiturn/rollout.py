@@ -18,25 +18,25 @@ from vlrft.data.encoding import PromptEncoder
 from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
 from vlrft.errors import ConfigError
 from vlrft.models.collate import concat_mm_inputs
-from vlrft.multiturn.environment import Environment, EnvironmentFailure, as_step, call_guarded
+from vlrft.multiturn.environment import EnvironmentFailure, as_step
+from vlrft.multiturn.host import EnvironmentHost, Held
 from vlrft.multiturn.template import ObservationTemplate
 from vlrft.types import Prompt, Rollout
 
 
 @dataclass
 class MultiTurn:
-    make_environment: Callable[[], Environment]  # a fresh environment per trajectory
+    environments: EnvironmentHost  # a fresh environment per trajectory, in the rank's worker process
     template: ObservationTemplate
     max_turns: int
     max_tokens: int  # response tokens per trajectory: actions and observations together
-    timeout_s: float  # per environment call
     encoder: PromptEncoder | None = None  # turns observation images into pixel inputs (VL models)
 
 
 @dataclass
 class Trajectory:
     prompt: Prompt
-    environment: Environment | None
+    environment: Held | None
     ids: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
@@ -84,11 +84,11 @@ class Trajectory:
 def start(trajectory: Trajectory, mt: MultiTurn, fields: dict) -> None:
     """A fresh environment for the trajectory, reset to its row; a failure ends it unstarted."""
     try:
-        trajectory.environment = call_guarded(mt.make_environment, timeout_s=mt.timeout_s, what=_call("construction", trajectory))
+        trajectory.environment = mt.environments.construct(_call("construction", trajectory))
     except EnvironmentFailure as failure:
         return fail(trajectory, f"construction {failure}")
     try:
-        call_guarded(trajectory.environment.reset, fields, timeout_s=mt.timeout_s, what=_call("reset", trajectory))
+        mt.environments.reset(trajectory.environment, fields, _call("reset", trajectory))
     except EnvironmentFailure as failure:
         fail(trajectory, f"reset {failure}")
 
@@ -118,8 +118,7 @@ def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_token
         trajectory.done = True
         return
     try:
-        step = as_step(call_guarded(trajectory.environment.step, action.response_text, timeout_s=mt.timeout_s,
-                                    what=_call("step", trajectory)))
+        step = as_step(mt.environments.step(trajectory.environment, action.response_text, _call("step", trajectory)))
     except EnvironmentFailure as failure:
         fail(trajectory, f"step {failure}")
         return
@@ -183,6 +182,7 @@ def multi_turn_generate(
         actions = engine.generate([t.continuation() for t in running], turn_params)
         for t, action in zip(running, actions):
             answer(t, action, mt, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
+    mt.environments.release([t.environment for t in trajectories if t.environment is not None])
     return [t.rollout() for t in trajectories]
 
 

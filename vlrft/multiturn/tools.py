@@ -57,10 +57,11 @@ def parse_tool_calls(text: str) -> list[dict]:
     return calls
 
 
-# The calculator runs inside the trainer's process holding the GIL, so no timeout can stop
-# it: every operation is refused before it runs if its result could be big, which bounds the
-# work of any expression by construction (`(((9**64)**64)**64)**64` has small exponents but
-# huge operands). Results past these bounds are errors the policy sees, as a typo would be.
+# A timeout kills the environment worker the calculator runs in, and with it every other
+# trajectory's environment on the rank; so a hard expression must never reach the timeout:
+# every operation is refused before it runs if its result could be big, which bounds the work
+# of any expression by construction (`(((9**64)**64)**64)**64` has small exponents but huge
+# operands). Results past these bounds are errors the policy sees, as a typo would be.
 MAX_EXPRESSION_CHARS = 1000
 MAX_DEPTH = 100  # nested operations (a chain `1+1+...` nests one level per operator)
 MAX_EXPONENT = 64

@@ -1,10 +1,14 @@
 """Calling a recipe so that nothing it does can stop training: a timeout and checked output.
 
-Each call runs in a daemon worker thread. A call that raises, returns something malformed or
-outlives its timeout becomes a `RecipeFailure`; the mix then uses the recipe's fallback. A
-thread cannot be killed, so a hung call is abandoned (and counted in `abandoned_calls()`);
-recipes that execute untrusted code must use the subprocess sandbox (vlrft.rewards.sandbox),
-which enforces its own time and memory limits.
+A recipe runs in a worker process of its own (vlrft.workers; one per recipe per rank, one call
+at a time): a call past its timeout kills the process, whatever the recipe was doing, and the
+next call starts a fresh one (counted in vlrft.workers.killed_calls). A recipe marked
+`recipe.runs_in_trainer = True` runs in a daemon thread of the trainer instead: the model-based
+built-ins (a worker would load a second copy of the model and a second CUDA context on the
+trainer's GPU) and `remote` (a network call bounded by its own deadline). A thread cannot be
+killed, so a hung call there is abandoned (counted in `abandoned_calls()`), and the recipe's
+calls fail at once until it ends. Either way a call that raises, returns something malformed
+or outlives its timeout becomes a `RecipeFailure`; the mix then uses the recipe's fallback.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import math
 import numbers
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from vlrft.rewards.budget import STEP_BUDGET
+from vlrft.rewards.loading import resolve_recipe
+from vlrft.workers import CallFailed, CallTimedOut, Worker, raised_text
 
-_abandoned = 0  # threads still running a timed-out call (they cannot be killed)
+_abandoned = 0  # calls abandoned at their timeout in a thread (a thread cannot be killed)
+_still_running: dict[Callable, list[threading.Thread]] = {}  # fn -> its abandoned threads not yet done
 _lock = threading.Lock()
 
 
@@ -25,20 +33,40 @@ class RecipeFailure(RuntimeError):
     """One failed recipe call; the message is one line saying why."""
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a guarded call ended: `failure` None and its `value`, or one line saying why not."""
+
+    value: Any = None
+    failure: str | None = None
+
+
 def abandoned_calls() -> int:
     return _abandoned
 
 
-def call_in_thread(fn: Callable, timeout_s: float, kind: str, what: str) -> dict | None:
-    """fn() in a daemon thread: {"value": result} or {"error": what it raised}, or None when it
-    outlived `timeout_s` (abandoned: a thread cannot be killed; counted in abandoned_calls).
-    `kind` (reward | environment) and `what` (the call and its samples, for messages) feed the
-    step's budget (rewards/budget.py): a call the budget cuts short raises CallStalled."""
+def runs_in_trainer(recipe: Callable) -> bool:
+    """Whether the recipe asked to run in a trainer thread (`recipe.runs_in_trainer = True`)."""
+    return getattr(recipe, "runs_in_trainer", False) is True
+
+
+def call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float, kind: str, what: str) -> Outcome:
+    """fn(*args, **kwargs) in a daemon thread with a timeout; a call that outlives it is
+    abandoned (a thread cannot be killed; counted in abandoned_calls). While one is still
+    running, further calls of `fn` fail at once: abandoned threads do not pile up (one per
+    concurrent caller at most). `kind` (reward | environment) and `what` (the call and its
+    samples, for messages) feed the step's budget (rewards/budget.py): a call the budget cuts
+    short raises CallStalled."""
+    with _lock:
+        running = [t for t in _still_running.pop(fn, []) if t.is_alive()]
+        if running:
+            _still_running[fn] = running
+            return Outcome(failure="not run: a call abandoned at its timeout is still running")
     outcome: dict = {}
 
     def work() -> None:
         try:
-            outcome["value"] = fn()
+            outcome["value"] = fn(*args, **kwargs)
         except BaseException as err:  # noqa: BLE001 - anything the call raises is its failure
             outcome["error"] = err
 
@@ -52,32 +80,67 @@ def call_in_thread(fn: Callable, timeout_s: float, kind: str, what: str) -> dict
         global _abandoned
         with _lock:
             _abandoned += 1
+            _still_running.setdefault(fn, []).append(worker)
         if by_budget:
             raise STEP_BUDGET.stalled(what)
-        return None
-    return outcome
-
-
-def failure_text(outcome: dict | None, timeout_s: float) -> str | None:
-    """One line saying why a `call_in_thread` call failed, or None when it returned."""
-    if outcome is None:
-        return f"timed out after {timeout_s:g}s"
+        return Outcome(failure=f"timed out after {timeout_s:g}s")
     if "error" in outcome:
-        err = outcome["error"]
-        return f"raised {type(err).__name__}: {_one_line(str(err))}"
-    return None
+        return Outcome(failure=raised_text(outcome["error"]))
+    return Outcome(outcome["value"])
+
+
+def call_in_worker(worker: Worker, fn: Callable, args: tuple, timeout_s: float, kind: str, what: str) -> Outcome:
+    """fn(*args) in `worker` with a timeout that kills it (vlrft.workers); as call_in_thread,
+    the step's budget may cut it short (CallStalled)."""
+    started = time.monotonic()
+    try:
+        return Outcome(worker.call(fn, args, timeout_s, cap=STEP_BUDGET.limit))
+    except CallTimedOut as timed_out:
+        if timed_out.capped:
+            raise STEP_BUDGET.stalled(what) from None
+        return Outcome(failure=str(timed_out))
+    except CallFailed as failure:
+        return Outcome(failure=str(failure))
+    finally:
+        STEP_BUDGET.record(kind, time.monotonic() - started)
 
 
 def call_recipe(
     fn: Callable, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float, what: str = "a reward recipe"
 ) -> list:
-    """fn(completions, samples, **kwargs) with a wall-clock timeout; its checked score list.
-    `what` names the call in a budget stop (rewards/budget.py)."""
-    outcome = call_in_thread(lambda: fn(completions, samples, **kwargs), timeout_s, "reward", what)
-    problem = failure_text(outcome, timeout_s)
-    if problem is not None:
-        raise RecipeFailure(problem)
-    return check_scores(outcome["value"], len(completions))
+    """fn(completions, samples, **kwargs) in a trainer thread with a wall-clock timeout; its
+    checked score list. `what` names the call in a budget stop (rewards/budget.py)."""
+    outcome = call_in_thread(fn, (completions, samples), kwargs, timeout_s, "reward", what)
+    return _scores(outcome, len(completions))
+
+
+def recipe_worker(name: str) -> Worker:
+    """The worker process that runs the recipe a config names (it imports the recipe at start)."""
+    return Worker(prepare=(load_recipe, (name,)))
+
+
+def call_recipe_in_worker(
+    worker: Worker, name: str, completions: list[str], samples: list[dict], kwargs: dict, timeout_s: float, what: str
+) -> list:
+    """The recipe `name` on the batch in its worker process (recipe_worker), with a timeout
+    that kills it; its checked score list."""
+    outcome = call_in_worker(worker, run_recipe, (name, completions, samples, kwargs), timeout_s, "reward", what)
+    return _scores(outcome, len(completions))
+
+
+# In the worker: the recipe is found by its config name (loading.py), as the trainer found it.
+def load_recipe(name: str) -> None:
+    resolve_recipe(name)
+
+
+def run_recipe(name: str, completions: list[str], samples: list[dict], kwargs: dict) -> Any:
+    return resolve_recipe(name)(completions, samples, **kwargs)
+
+
+def _scores(outcome: Outcome, count: int) -> list:
+    if outcome.failure is not None:
+        raise RecipeFailure(outcome.failure)
+    return check_scores(outcome.value, count)
 
 
 def check_scores(scores, count: int) -> list:
@@ -97,8 +160,3 @@ def check_scores(scores, count: int) -> list:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise RecipeFailure(f"score {i} is {value!r}, not a finite number")
     return scores
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

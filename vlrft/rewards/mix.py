@@ -9,7 +9,9 @@ component is absent for that completion); a list of numbers, one per response to
 reward; token-level estimators add it to the per-token rewards, sequence-level ones its sum);
 or a dict of named numbers (sub-components, logged as `<recipe>.<key>`; the score is their sum).
 A call that raises, returns something malformed or exceeds its `timeout_s` scores every
-completion of that call with the recipe's `fallback` and counts one failure.
+completion of that call with the recipe's `fallback` and counts one failure. Each recipe runs in
+a worker process of its own, found there by its config name (rewards/guard.py); one marked
+`runs_in_trainer` runs in a trainer thread.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Callable
 
 from vlrft.config import RecipeSpec, RewardConfig, component_name
 from vlrft.errors import VlrftError
-from vlrft.rewards.guard import RecipeFailure, call_recipe
+from vlrft.rewards.guard import RecipeFailure, call_recipe, call_recipe_in_worker, recipe_worker, runs_in_trainer
 from vlrft.rewards.loading import resolve_recipe
+from vlrft.workers import Worker
 
 
 class RewardError(VlrftError, RuntimeError):
@@ -39,6 +42,7 @@ class RewardMix:
         self.accuracy_spec = RecipeSpec(recipe=cfg.accuracy_recipe)
         self.accuracy_fn = resolve_recipe(cfg.accuracy_recipe)
         self.failures: Counter = Counter()  # component name -> failed calls since the last take
+        self.workers: dict[str, Worker] = {}  # recipe name -> its worker process (started at its first call)
 
     def component_names(self) -> list[str]:
         """Every top-level component any source can produce, sorted (same on every rank)."""
@@ -85,11 +89,18 @@ class RewardMix:
         return [_as_number(s) for s in self._guarded(self.accuracy_fn, self.accuracy_spec, completions, samples)]
 
     def _guarded(self, fn: Callable, spec: RecipeSpec, completions: list[str], samples: list[dict]) -> list:
+        """The recipe's checked scores, or its fallback. `fn` (the resolved recipe) is called
+        here only when it runs in the trainer; otherwise its worker finds it by name."""
         if not completions:
             return []
         try:
             what = f"reward recipe '{spec.recipe}' on {sample_ids(samples)}"
-            return call_recipe(fn, completions, samples, spec.kwargs, spec.timeout_s, what)
+            if runs_in_trainer(fn):
+                return call_recipe(fn, completions, samples, spec.kwargs, spec.timeout_s, what)
+            if spec.recipe not in self.workers:
+                self.workers[spec.recipe] = recipe_worker(spec.recipe)
+            worker = self.workers[spec.recipe]
+            return call_recipe_in_worker(worker, spec.recipe, completions, samples, spec.kwargs, spec.timeout_s, what)
         except RecipeFailure as failure:
             name = component_name(spec)
             self.failures[name] += 1

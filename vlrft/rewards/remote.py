@@ -4,6 +4,8 @@ and a limit on concurrent requests. Any other answer (a 4xx refusal, a 500 from 
 recipe) fails the call at once, quoting the server's one-line JSON error.
 
 Set the recipe's own `timeout_s` (the guard around the whole call) a little above `deadline_s`.
+It runs in a trainer thread (`runs_in_trainer`, rewards/guard.py), not a worker process: it only
+waits on the network, and `deadline_s` already ends it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def remote_reward(
     with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
         parts = list(pool.map(call.post, bodies))
     return [score for part in parts for score in part]
+
+
+remote_reward.runs_in_trainer = True  # bounded by deadline_s (module docstring)
 
 
 def is_retryable(err: BaseException) -> bool:

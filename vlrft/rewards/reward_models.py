@@ -5,6 +5,10 @@ the process, and hold a per-checkpoint lock while loading and while scoring: the
 each recipe call in a worker thread, and HF tokenizers and models are not safe to share
 between threads mid-call. (A call abandoned by the caller's timeout keeps its lock until it
 finishes, so the next call on the same checkpoint waits for it.)
+
+Both run in the trainer's process (`runs_in_trainer`, rewards/guard.py), not in a worker
+process: a worker would hold a second copy of the model and a second CUDA context on the GPU
+the trainer uses.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ def scalar_reward_model(
             logits = model(**inputs).logits  # [B, 1]
             scores += [float(x) for x in logits[:, 0].float()]
     return scores
+
+
+scalar_reward_model.runs_in_trainer = True  # the model stays on the trainer's GPU (module docstring)
 
 
 # --------------------------------------------------------------------------- generative judge
@@ -187,3 +194,6 @@ def generative_judge(
             rollouts = engine.generate(prompts[start : start + batch_size], params)
             scores += [parse_score(r.response_text, score_pattern, scale) for r in rollouts]
     return scores
+
+
+generative_judge.runs_in_trainer = True  # the model stays on the trainer's GPU (module docstring)

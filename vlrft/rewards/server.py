@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 from vlrft.errors import ConfigError
 from vlrft.rewards.guard import RecipeFailure, call_recipe
 from vlrft.rewards.loading import resolve_recipe
+from vlrft.rewards.sandbox import allow_unisolated
 from vlrft.rewards.server_checks import (Limits, Rejected, ServerOptions, check_body_length, check_json_text,
                                          check_request, check_start, check_token)
 from vlrft.rewards.wire import PixelLimitError, WireError, decode_samples
@@ -109,7 +110,9 @@ def serve(recipe: str, kwargs: dict, options: ServerOptions = ServerOptions()) -
 
     from vlrft.rewards.server_http import JsonErrorChannel
 
-    check_start(options.host, options.token, recipe, resolve_recipe(recipe), options.allow_code_recipe)
+    check_start(options.host, options.token, recipe, resolve_recipe(recipe), options.allow_code_recipe,
+                options.unsafe_no_isolation)
+    allow_unisolated(options.unsafe_no_isolation)
     app = make_app(recipe, kwargs, options.timeout_s, options.token, options.limits)
     sockets: dict = {}
     try:

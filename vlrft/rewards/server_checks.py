@@ -8,7 +8,6 @@ the flag), 422 valid JSON that is not a valid request (the message names the ite
 from __future__ import annotations
 
 import hmac
-import inspect
 import ipaddress
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from vlrft.errors import ConfigError
+from vlrft.rewards.sandbox import check_can_run_code, runs_code
 
 TOKEN_ENV = "VLRFT_REWARD_TOKEN"
 
@@ -61,6 +61,7 @@ class ServerOptions:
     timeout_s: float = 60.0
     token: str | None = None
     allow_code_recipe: bool = False
+    unsafe_no_isolation: bool = False  # run a code recipe where bubblewrap is missing
     max_connections: int = 32  # open connections (waitress); more wait in the listen backlog
     backlog: int = 64
     limits: Limits = field(default_factory=Limits)
@@ -98,20 +99,12 @@ def read_token(token_file: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
-def runs_code(fn: Callable) -> bool:
-    """True for the built-in code recipe and any recipe whose module uses the code sandbox:
-    such a recipe executes what a caller sends."""
-    from vlrft.rewards import sandbox
-
-    module = inspect.getmodule(fn)
-    return module is not None and (
-        module.__name__ == "reward_recipes.code"
-        or any(value is sandbox.run_python for value in vars(module).values())
-    )
-
-
-def check_start(host: str, token: str | None, recipe: str, fn: Callable, allow_code: bool) -> None:
-    """Refuse to serve beyond this machine without a token, or a code recipe without opt-in."""
+def check_start(host: str, token: str | None, recipe: str, fn: Callable, allow_code: bool,
+                unsafe_no_isolation: bool = False) -> None:
+    """Refuse to serve a code recipe where it cannot be isolated (unless opted in), or beyond
+    this machine without a token, or a code recipe beyond it without opt-in."""
+    if runs_code(fn):
+        check_can_run_code(f"reward server recipe '{recipe}'", unsafe_no_isolation, "give --unsafe-no-isolation")
     if is_loopback(host):
         return
     if token is None:

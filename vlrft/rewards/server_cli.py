@@ -18,6 +18,8 @@ def add_reward_server_guards(parser: argparse.ArgumentParser) -> None:
                              "required for any --host but loopback")
     add("--allow-code-recipe", action="store_true",
         help="serve a recipe that executes completions (code_unit_tests) on a non-loopback --host")
+    add("--unsafe-no-isolation", action="store_true",
+        help="run a code recipe even where bubblewrap cannot isolate it (in-process guards only: unsafe)")
     add("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / 2**20, help="largest request body")
     add("--max-items", type=int, default=_DEFAULTS.max_items, help="most completions per request")
     add("--max-image-pixels", type=int, default=_DEFAULTS.max_image_pixels, help="largest image (width x height)")
@@ -40,5 +42,6 @@ def reward_server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
         host=args.host, port=args.port, threads=args.threads, timeout_s=args.timeout_s,
         token=read_token(args.token_file), allow_code_recipe=args.allow_code_recipe,
+        unsafe_no_isolation=args.unsafe_no_isolation,
         max_connections=args.max_connections, backlog=args.backlog, limits=limits,
     )

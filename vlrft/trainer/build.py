@@ -14,7 +14,8 @@ from vlrft.engines import SamplingParams
 from vlrft.models.loader import load_model
 from vlrft.errors import ConfigError
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
-from vlrft.multiturn.environment import resolve_environment
+from vlrft.multiturn.environment import EnvironmentFailure
+from vlrft.multiturn.host import EnvironmentHost
 from vlrft.multiturn.rollout import MultiTurn
 from vlrft.multiturn.template import observation_template
 
@@ -69,23 +70,18 @@ def old_logprobs_from_update(cfg: Config) -> bool:
 
 
 def multi_turn(cfg: Config, encoder, stop_ids: list[int]) -> MultiTurn | None:
-    """Multi-turn rollout settings (None: one turn). One environment is built here so a bad
-    `rollout.environment_args` fails at start-up, in one line."""
+    """Multi-turn rollout settings (None: one turn). One environment is built here, in the
+    rank's environment worker, so a bad `rollout.environment_args` fails at start-up, in one line."""
     rollout = cfg.rollout
     if not rollout.environment:
         return None
-    factory = resolve_environment(rollout.environment)
-
-    def make_environment():
-        return factory(**rollout.environment_args)
-
+    environments = EnvironmentHost(rollout.environment, rollout.environment_args, rollout.environment_timeout_s)
     try:
-        probe = make_environment()
-    except Exception as err:  # noqa: BLE001 - whatever a user's constructor raises is named
-        raise ConfigError(f"environment '{rollout.environment}' could not be built from rollout.environment_args: {err}") from None
-    role = getattr(probe, "observation_role", "tool")
+        role = environments.probe()
+    except EnvironmentFailure as failure:
+        raise ConfigError(f"environment '{rollout.environment}' could not be built from rollout.environment_args: {failure}") from None
     template = observation_template(encoder.tokenizer, stop_ids, role, cfg.model.path)
-    return MultiTurn(make_environment, template, rollout.max_turns, rollout.max_trajectory_tokens, rollout.environment_timeout_s, encoder)
+    return MultiTurn(environments, template, rollout.max_turns, rollout.max_trajectory_tokens, encoder)
 
 
 def maker_settings(cfg: Config, controller: FixedKLController, image_check=None, multi_turn: MultiTurn | None = None) -> MakerSettings:

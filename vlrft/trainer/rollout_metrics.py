@@ -1,5 +1,5 @@
 """Step metrics of the scored rollouts, reduced over all ranks: rewards per component and per
-data source, training accuracy, lengths, truncation, recipe failures."""
+data source, training accuracy, lengths, truncation, recipe failures, timed-out calls."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from vlrft.rewards.guard import abandoned_calls
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_gather_objects, all_reduce_sum
 from vlrft.types import Experience
+from vlrft.workers import killed_calls
 
 
 def union_over_ranks(names: set[str]) -> list[str]:
@@ -35,9 +36,9 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
     failure_names = rewards.component_names()
     failures = rewards.take_failures()
     # Layout: [count, reward, length, truncated, correct] | per name [sum, count] | per source
-    # [count, reward, correct] | per recipe [failures] | [abandoned calls] | multi-turn [turns,
-    # environment failures]
-    local = torch.zeros(5 + 2 * len(names) + 3 * len(sources) + len(failure_names) + 3, dtype=torch.float64)
+    # [count, reward, correct] | per recipe [failures] | [killed calls, abandoned calls] |
+    # multi-turn [turns, environment failures]
+    local = torch.zeros(5 + 2 * len(names) + 3 * len(sources) + len(failure_names) + 4, dtype=torch.float64)
     col = {name: 5 + 2 * j for j, name in enumerate(names)}
     src = {source: 5 + 2 * len(names) + 3 * j for j, source in enumerate(sources)}
     for e, ok in zip(experiences, correct):
@@ -53,7 +54,8 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
     fail_start = 5 + 2 * len(names) + 3 * len(sources)
     for j, name in enumerate(failure_names):
         local[fail_start + j] = failures[name]
-    local[-3] = abandoned_calls()  # cumulative per rank
+    local[-4] = killed_calls()  # cumulative per rank: timed-out calls ended with their worker process
+    local[-3] = abandoned_calls()  # cumulative per rank: timed-out calls still running in a trainer thread
     total = all_reduce_sum(local).tolist()
     n = max(total[0], 1.0)
     metrics = {
@@ -61,6 +63,7 @@ def rollout_metrics(experiences: list[Experience], rewards: RewardMix, sources: 
         "rollout/response_length": total[2] / n,
         "rollout/truncated_frac": total[3] / n,
         "rollout/accuracy": total[4] / n,
+        "reward/killed_calls": total[-4],
         "reward/abandoned_calls": total[-3],
     }
     if total[-2] > 0:  # multi-turn rollouts

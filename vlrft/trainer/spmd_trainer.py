@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.media import media_from
+from vlrft.rewards.sandbox import configure as sandbox_settings
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES
@@ -91,6 +93,9 @@ class SPMDTrainer:
         hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
+        unisolated = sandbox_settings(cfg.sandbox.unsafe_no_isolation)  # before any worker process starts
+        if unisolated and self.rank == 0:
+            print(unisolated, file=sys.stderr, flush=True)
         check_world_size(cfg, self.world_size, local_world_size())
         resolve_model_paths(cfg)  # hub ids -> local snapshot directories
         torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses

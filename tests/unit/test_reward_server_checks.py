@@ -176,6 +176,11 @@ def test_user_recipes_using_the_sandbox_count_as_code(tmp_path):
     (tmp_path / "mine.py").write_text("from vlrft.rewards.sandbox import run_python\n"
                                       "def run(completions, samples):\n    return [0.0] * len(completions)\n")
     assert runs_code(resolve_recipe(f"{tmp_path / 'mine.py'}:run"))
+    (tmp_path / "theirs.py").write_text("from vlrft.rewards import sandbox\n"
+                                        "def run(completions, samples):\n    return [0.0] * len(completions)\n")
+    assert runs_code(resolve_recipe(f"{tmp_path / 'theirs.py'}:run"))
+    (tmp_path / "plain.py").write_text("import os\ndef run(completions, samples):\n    return [0.0] * len(completions)\n")
+    assert not runs_code(resolve_recipe(f"{tmp_path / 'plain.py'}:run"))
 
 
 def http_error(code: int) -> urllib.error.HTTPError:

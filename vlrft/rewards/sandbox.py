@@ -125,11 +125,13 @@ def check_can_run_code(what: str, unsafe_allowed: bool, opt_in: str = "set sandb
 
 
 def runs_code(fn) -> bool:
-    """True for the built-in code recipe and any function whose module uses this sandbox."""
+    """True for the built-in code recipe and any function whose module uses this sandbox (its
+    functions imported, or the module itself)."""
     module = inspect.getmodule(fn)
+    this = sys.modules[__name__]
     return module is not None and (
         module.__name__ == "reward_recipes.code"
-        or any(value is run_python or value is run_tests for value in vars(module).values())
+        or any(value is run_python or value is run_tests or value is this for value in vars(module).values())
     )
 
 

@@ -195,3 +195,18 @@ def test_without_isolation_code_is_refused_unless_opted_in(monkeypatch, tmp_path
     result = run_python(f"open({str(outside)!r}, 'w').write('x')\n")
     assert not result.passed and not outside.exists() and "outside the sandbox" in result.stderr
     assert sandbox.configure(False) is None and sandbox.UNSAFE_ENV not in os.environ
+
+
+@needs_sandbox
+def test_an_interpreter_under_tmp_stays_visible(monkeypatch, tmp_path):
+    """The sandbox's /tmp is a tmpfs of its own; a venv that lives under the host's /tmp (as
+    .ci/run's may) is bound after it, not hidden by it (found by a clean-clone CI run)."""
+    from vlrft.rewards import sandbox
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "marker.txt").write_text("bound")
+    dirs = sandbox._python_dirs()
+    monkeypatch.setattr(sandbox, "_python_dirs", lambda: [*dirs, str(venv)])
+    result = run_python(f"print(open({str(venv / 'marker.txt')!r}).read())")
+    assert result.passed and result.stdout == "bound\n", result.stderr

@@ -21,6 +21,7 @@ from vlrft.rewards.remote import backoff_delay, is_retryable
 from vlrft.rewards.server_checks import (TOKEN_ENV, Limits, Rejected, check_body_length, check_json_text,
                                          check_request, check_start, check_token, is_loopback, nesting_exceeds,
                                          json_structure, read_token, runs_code)
+from tests.marks import needs_sandbox
 
 
 def png_header_only(width: int, height: int) -> bytes:
@@ -144,6 +145,7 @@ def test_loopback_and_tokens(tmp_path, monkeypatch):
         assert err.value.status == 401
 
 
+@needs_sandbox  # without it a code recipe is refused before the token is looked at
 def test_start_checks():
     exact, code = resolve_recipe("exact_match"), resolve_recipe("code_unit_tests")
     assert runs_code(code) and not runs_code(exact)

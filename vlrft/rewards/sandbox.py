@@ -249,11 +249,11 @@ class _Launch:
                 argv += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 argv += ["--ro-bind", top, top]
-        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        for prefix in _python_dirs():
-            argv += ["--ro-bind", prefix, prefix]
-        argv += ["--ro-bind", str(SANDBOXED), INSIDE, "--proc", "/proc", "--dev", "/dev",
+        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
                  "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+        for prefix in _python_dirs():  # after the tmpfs: a venv under /tmp must not be hidden by it
+            argv += ["--ro-bind", prefix, prefix]
+        argv += ["--ro-bind", str(SANDBOXED), INSIDE, "--proc", "/proc", "--dev", "/dev"]
         for name, path in files.items():
             argv += ["--file", str(self._keep(os.open(path, os.O_RDONLY))), f"/tmp/{name}"]
         # bwrap's own root and /dev are tmpfs without a size: read-only, /tmp stays the only

@@ -176,8 +176,9 @@ def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool) -> None:
         for spec in mix:
             if not spec.recipe:
                 raise ConfigError(f"a recipe in reward mix '{source}' has no 'recipe' name")
-            missing_package(spec.recipe, resolve_recipe(spec.recipe))
-            if runs_code(resolve_recipe(spec.recipe)):
+            recipe = resolve_recipe(spec.recipe)
+            missing_package(spec.recipe, recipe)
+            if runs_code(recipe):
                 check_can_run_code(f"reward recipe '{spec.recipe}'", unsafe_no_isolation)
             if spec.timeout_s <= 0:
                 raise ConfigError(f"reward recipe '{spec.recipe}' in mix '{source}': timeout_s must be > 0")

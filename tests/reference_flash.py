@@ -19,20 +19,25 @@ class ReferenceFlash:
         self.calls: list[tuple[str, list[int] | None, torch.dtype]] = []  # (kind, sample starts, q dtype)
 
     @staticmethod
-    def _attend(q, k, v, causal, scale):  # q [L, H, D], k and v [L, Hkv, D]
+    def _attend(q, k, v, causal, scale):  # q [Lq, H, D], k and v [Lk, Hkv, D]
+        # flash-attn >= 2.1 aligns the causal window at the end: query i sees keys up to Lk - Lq + i.
+        allowed = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - q.shape[0])
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal, scale=scale, enable_gqa=True
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed if causal else None, scale=scale,
+            enable_gqa=True,
         )
         return out.transpose(0, 1)
 
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
-        starts = cu_seqlens_q.tolist()
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        starts, key_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         assert max_seqlen_q == max(b - a for a, b in zip(starts, starts[1:])) and starts[-1] == q.shape[0]
+        assert max_seqlen_k == max(b - a for a, b in zip(key_starts, key_starts[1:])) and key_starts[-1] == k.shape[0]
         self.calls.append(("varlen", starts, q.dtype))
-        return torch.cat([self._attend(q[a:b], k[a:b], v[a:b], causal, softmax_scale) for a, b in zip(starts, starts[1:])])
+        return torch.cat([self._attend(q[a:b], k[c:d], v[c:d], causal, softmax_scale)
+                          for (a, b), (c, d) in zip(zip(starts, starts[1:]), zip(key_starts, key_starts[1:]))])
 
     def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):

@@ -202,6 +202,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     micro_batch_tokens: int = 4096  # token budget of one forward micro-batch
+    # The responses of one prompt share a single copy of the prompt (and its images) in each
+    # micro-batch: the same logprobs and gradients for a fraction of the work (docs/scaling.md).
+    share_prompts: bool = True
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 0, 2 or 3
     # CPU offload (DeepSpeed): none | optimizer (Adam states + fp32 master weights in CPU memory,
     # stage >= 1) | all (parameters too, stage 3). Trades step time for GPU memory.

@@ -106,18 +106,39 @@ class Experience:
 
 
 @dataclass
+class Segment:
+    """A run of consecutive tokens in a packed micro-batch: a sample's prompt and response, its
+    prompt alone (shared by the responses after it), or its response alone, continuing the
+    prompt segment `parent` (models/packing.pack)."""
+
+    sample: Any  # the Experience (or Rollout) whose tokens these are; for a shared prompt, its group's first
+    prompt: bool  # holds the prompt's tokens
+    response: bool  # holds the response's tokens
+    parent: int = -1  # a response-only segment: the index of the prompt segment it continues
+
+    def length(self) -> int:
+        rollout = self.sample if isinstance(self.sample, Rollout) else self.sample.rollout
+        return len(rollout.prompt.prompt_ids) * self.prompt + len(rollout.response_ids) * self.response
+
+
+@dataclass
 class MicroBatch:
     """Sequences for one forward pass: right-padded rows ([B, L]) or packed into one row
-    ([1, T], `seq_lengths` set; how samples are kept apart is up to the attention kernel, see
-    models/packing.forward_inputs)."""
+    ([1, T], `segments` and `seq_lengths` set; how segments are kept apart is up to the
+    attention kernel, see models/packing.forward_inputs)."""
 
     input_ids: torch.Tensor  # [B, L] or [1, T]
     attention_mask: torch.Tensor | None  # [B, L] padding mask; None when packed
     response_mask: torch.Tensor  # [B, L] 1 on response tokens (scored positions)
-    mm_inputs: dict[str, torch.Tensor]  # pixel inputs concatenated in sample order; mm_token_type_ids [B, L]
+    mm_inputs: dict[str, torch.Tensor]  # pixel inputs concatenated in row order (a shared prompt's once); mm_token_type_ids [B, L]
     samples: list[Any]  # the Experience (or Rollout) objects, in order
     dummy: bool = False  # a repeat that only keeps ranks in lock-step; contributes nothing
-    seq_lengths: list[int] | None = None  # packed: each sample's prompt+response length, in order
+    seq_lengths: list[int] | None = None  # packed: each segment's length, in order
+    segments: list[Segment] | None = None  # packed: the token runs of the row, in order
+
+    def shares_prompts(self) -> bool:
+        """Whether some response continues a prompt segment it shares with its siblings."""
+        return any(segment.parent >= 0 for segment in self.segments or ())
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.mm_inputs}

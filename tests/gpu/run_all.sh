@@ -7,6 +7,7 @@
 #   bash tests/gpu/run_all.sh demo:float32:2 demo:bfloat16:2 demo:bfloat16:3   # dtype:ZeRO stage[:seed]
 #   bash tests/gpu/run_all.sh bench:1.5B            # bench/gpu_step.py --shapes 1.5B
 #   bash tests/gpu/run_all.sh bench                 # every shape, ZeRO stage and checkpointing
+#   bash tests/gpu/run_all.sh shared:36             # bench/shared_prefix.py, bf16, 3B widths at LAYERS layers
 #
 # Without a package index: build the wheels on a machine with one
 # (`bash tests/gpu/wheelhouse.sh .whl 3.12`), bring `.whl/` along; they are installed into
@@ -14,8 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for part in "$@"; do  # a typo fails now, not after an hour of the parts before it
-    [[ $part =~ ^(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:]+)?)$ ]] || {
-        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE])" >&2; exit 2; }
+    [[ $part =~ ^(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:]+)?|shared(:[0-9]+)?)$ ]] || {
+        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS])" >&2; exit 2; }
 done
 log_dir=${LOG_DIR:-runs/gpu}
 mkdir -p "$log_dir"
@@ -49,6 +50,9 @@ for part in "$@"; do
             cp "runs/gpu-demo-$name/metrics.jsonl" "$log_dir/metrics-$name.jsonl" ;;
         bench)
             python3 bench/gpu_step.py ${a:+--shapes "$a"} 2>&1 | tee "$log_dir/bench${a:+-$a}.log" ;;
+        shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
+            python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" 2>&1 \
+                | tee "$log_dir/shared-prefix.log" ;;
     esac
     echo "run_all: $part took $(( $(date +%s) - start )) s"
 done

@@ -1,6 +1,8 @@
 """The real varlen kernels on a GPU (bf16): flash-attn's (`flash_attention_2`) and PyTorch's
 built-in one (`torch_varlen`). A packed micro-batch of text, one-image and two-image samples, and
-one of long text samples, gives each sample what it gets alone, and the backward runs.
+one of long text samples, gives each sample what it gets alone, and the backward runs; so do
+shared-prompt micro-batches (`train.share_prompts`), whose responses attend to their prompt's keys
+through the kernels' end-aligned causal attention over unequal query and key lengths.
 
 Each kernel's tests skip where it cannot run (no CUDA GPU; flash-attn not installed, `pip install
 'vlrft[gpu]'`; torch < 2.10). The same paths with plain-torch stand-ins for the kernels run on
@@ -22,15 +24,16 @@ KERNELS = [pytest.param(kind, marks=pytest.mark.skipif(bool(attention_missing(ki
 pytestmark = pytest.mark.gpu
 
 
-def assert_packing_adds_no_error(model, fp32, rollouts):
+def assert_packing_adds_no_error(model, fp32, rollouts, share=False):
     """Each packed sample is as close to its exact fp32 per-sample logprobs as the same sample
     computed alone in bf16 is (bf16 rounding); a wrong sample boundary or position id would be
     far outside that. Then the backward runs into fp32 gradients."""
-    batch = pack(rollouts)
+    batch = pack(rollouts, share=share)
+    assert batch.shares_prompts() == share
     out = policy_forward(model, batch, 1.0)
     logp, entropy = gather_responses(batch, out.logp.cpu()), gather_responses(batch, out.entropy.cpu())
     with torch.no_grad():
-        for i, rollout in enumerate(rollouts):
+        for i, rollout in enumerate(batch.samples):
             alone = collate([rollout], pad_id=0)
             single, exact = policy_forward(model, alone, 1.0), policy_forward(fp32, alone, 1.0)
             single_logp, exact_logp = gather_responses(alone, single.logp.cpu())[0], gather_responses(alone, exact.logp.cpu())[0]
@@ -62,3 +65,29 @@ def test_varlen_packed_long_text_forward_equals_per_sample_on_gpu(kind, tiny_tex
         rollouts.append(Rollout(prompt, i, torch.randint(10, 500, (response_len,), generator=g).tolist(), "", False))
     model = load_model(tiny_text, attention=resolve_attention(kind, "bfloat16"), compute_dtype="bfloat16").cuda()
     assert_packing_adds_no_error(model, load_model(tiny_text).cuda().eval(), rollouts)
+
+
+def grouped(rollouts, n, seed=0):
+    """`n` responses (1 to 700 tokens) to each rollout's prompt, as the engine returns a group."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 700, 33, 128, 2, 511, 64, 9][:n]
+    return [Rollout(r.prompt, r.group_id, torch.randint(10, 500, (length,), generator=g).tolist(), "", False)
+            for r in rollouts for length in lengths]
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+def test_varlen_shared_prompt_vision_language_forward_equals_per_sample_on_gpu(kind, mixed_rollouts, tiny_vl):
+    model = load_model(tiny_vl, attention=resolve_attention(kind, "bfloat16"), compute_dtype="bfloat16").cuda()
+    assert_packing_adds_no_error(model, load_model(tiny_vl).cuda().eval(), grouped(mixed_rollouts, 4), share=True)
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+def test_varlen_shared_long_prompt_forward_equals_per_sample_on_gpu(kind, tiny_text):
+    """A 900-token prompt with 8 responses (1 to 700 tokens): queries and keys of unequal lengths
+    spanning many tiles."""
+    g = torch.Generator().manual_seed(1)
+    prompt = Prompt(id="long", data_source="gpu", answer="", meta={}, prompt_text="",
+                    prompt_ids=torch.randint(10, 500, (900,), generator=g).tolist(), index=0)
+    rollouts = grouped([Rollout(prompt, 0, [], "", False)], 8)
+    model = load_model(tiny_text, attention=resolve_attention(kind, "bfloat16"), compute_dtype="bfloat16").cuda()
+    assert_packing_adds_no_error(model, load_model(tiny_text).cuda().eval(), rollouts, share=True)

@@ -6,8 +6,10 @@ backend and, just before the optimizer step, records the full gradient. SHARE "s
 rank::world_size; "balanced" gives rank 0 all but the last experience, then evens the tokens
 out with trainer/rank_balance (which must move samples and lower the imbalance).
 LORA_RANK > 0 trains LoRA adapters (random, seeded B, so every adapter has a gradient) and
-records their gradient only.
-Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE [LORA_RANK]]]
+records their gradient only. PROMPTS "shared": each pair of experiences answers one prompt and
+the micro-batches carry it once (train.share_prompts); "shared-off": the same pairs, unshared;
+"distinct" (default): 8 prompts, unshared.
+Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE [LORA_RANK [PROMPTS]]]]
 """
 
 import sys
@@ -16,7 +18,7 @@ import torch
 
 
 def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str, share: str = "strided",
-         zero_stage: str = "2", lora_rank: str = "0") -> None:
+         zero_stage: str = "2", lora_rank: str = "0", prompts: str = "distinct") -> None:
     from deepspeed.utils import safe_get_full_grad
 
     from vlrft.algo import LOSS_AGG_MODES
@@ -28,7 +30,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.config import LORA_TARGETS
     from vlrft.models.loader import load_model
     from vlrft.models.lora import add_lora
-    from vlrft.distributed import init_distributed
+    from vlrft.distributed import all_reduce_max_int, init_distributed
     from vlrft.trainer.rank_balance import balance_across_ranks
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
@@ -39,7 +41,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     g = torch.Generator().manual_seed(0)
     experiences = []
     for i in range(8):  # different response lengths, one empty response
-        prompt = encoder.encode(rows[i], i // 2)
+        prompt = encoder.encode(rows[i // 2 if prompts.startswith("shared") else i], i // 2)
         length = [0, 3, 7, 12, 5, 9, 2, 10][i]
         ids = torch.randint(10, 600, (length,), generator=g).tolist()
         rollout = Rollout(prompt=prompt, group_id=i // 2, response_ids=ids, response_text="", truncated=False)
@@ -56,7 +58,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
         )
     if share == "balanced":
         mine = experiences[:-1] if rank == 0 else experiences[-1:]
-        mine, balance = balance_across_ranks(mine)
+        mine, balance = balance_across_ranks(mine, share_prompts=prompts == "shared")
         assert balance["perf/rank_imbalance"] < balance["perf/rank_imbalance_before"], balance
         print(f"rank {rank}: {len(mine)} samples after balancing, {balance}", flush=True)
     else:
@@ -66,7 +68,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
         cfg = load_config(None, [
             f"model.path={model_dir}", f"data.train_path={train_path}", f"algo.loss_agg_mode={mode}",
             "algo.kl.coef=0.1", "algo.entropy_coef=0.01", "algo.dual_clip_c=3", "rollout.rollout_prompts=4",
-            f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0",
+            f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0", f"train.share_prompts={prompts == 'shared'}",
         ])
         torch.manual_seed(0)
         model = load_model(model_dir)
@@ -77,7 +79,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
                     if "lora_B" in name:
                         p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
         backend = DeepSpeedBackend(model, lr=1e-3, weight_decay=0.0, grad_clip=0.0, zero_stage=int(zero_stage))
-        buffer = ReplayBuffer(micro_batch_tokens, seed=rank)
+        buffer = ReplayBuffer(micro_batch_tokens, seed=rank, share_prompts=cfg.train.share_prompts)
         buffer.add(mine)
 
         def record_then_step(step=backend.step):
@@ -86,6 +88,11 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             return step()
 
         backend.step = record_then_step
+        if prompts == "shared":  # some micro-batch shares a prompt, some prompt is in two micro-batches
+            batches = [b for mb in buffer.mini_batches(1, shuffle=False) for b in mb if not b.dummy]
+            keys = [{s.rollout.prompt.index for s in b.samples} for b in batches]
+            split = any(a & b for i, a in enumerate(keys) for b in keys[i + 1:])
+            assert all_reduce_max_int(any(b.shares_prompts() for b in batches)) and all_reduce_max_int(split)
         policy_update(backend, buffer, cfg, world_size, kl_coef=cfg.algo.kl.coef)
     if rank == 0:
         torch.save(grads, out_file)

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("grad_worker.py")
 
 
-def gradients(model, data, micro_batch_tokens, ranks, out, share="strided", zero_stage=2, lora_rank=0):
+def gradients(model, data, micro_batch_tokens, ranks, out, share="strided", zero_stage=2, lora_rank=0, prompts="distinct"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(Path(__file__).parents[2])}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
-    cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out), share, str(zero_stage), str(lora_rank)]
+    cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out), share, str(zero_stage), str(lora_rank), prompts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
@@ -61,3 +61,15 @@ def test_lora_gradient_is_the_same_under_zero3_micro_batches(tiny_text, addition
         assert reference.numel() > 0 and reference.norm() > 0, mode
         rel = float((split[mode] - reference).norm() / reference.norm())
         assert rel <= 1e-5, f"{mode}, LoRA under ZeRO-3: relative gradient difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_shared_prompt_gradient_equals_the_unshared_one_on_two_ranks(tiny_text, addition_data, tmp_path, zero_stage):
+    """Pairs of responses to one prompt: one unshared micro-batch on one rank = shared prompts
+    split over micro-batches (the 23 + 7 + 12 token pair is cut in two at 40) and 2 balanced ranks."""
+    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt", prompts="shared-off")
+    shared = gradients(tiny_text, addition_data, 40, 2, tmp_path / "shared.pt", share="balanced",
+                       zero_stage=zero_stage, prompts="shared")
+    for mode, reference in whole.items():
+        rel = float((shared[mode] - reference).norm() / reference.norm())
+        assert rel <= 1e-5, f"{mode}, ZeRO-{zero_stage} shared prompts: relative gradient difference {rel:.2e}"

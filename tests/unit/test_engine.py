@@ -91,8 +91,9 @@ def test_checkpoint_generation_config_does_not_change_sampling(tiny_text, additi
 
 
 def test_engine_logprobs_equal_the_trainers_packed_forward(tiny_vl, tiny_text, mixed_rollouts, addition_data):
-    """Decoding drops stopped responses from the batch and its cache; what each token was
-    sampled from must still be the policy the trainer scores (text and M-RoPE prompts)."""
+    """Each prompt is prefilled once and its cache repeated for its n responses; decoding drops
+    stopped responses from the batch and its cache; what each token was sampled from must still
+    be the policy the trainer scores (text and M-RoPE prompts)."""
     from vlrft.models.collate import gather_responses
     from vlrft.models.forward import policy_forward
     from vlrft.models.packing import pack
@@ -108,8 +109,11 @@ def test_engine_logprobs_equal_the_trainers_packed_forward(tiny_vl, tiny_text, m
         bonus = torch.zeros(engine.model.get_output_embeddings().weight.shape[0])
         bonus[stop] = 3.0  # some responses stop early, some run to the limit
         engine.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + bonus)
+        rows = []  # decoder calls' batch rows
+        engine.model.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape), with_kwargs=True)
         torch.manual_seed(0)
         rollouts = engine.generate(prompts, params)
+        assert rows[0] == (3, max(len(p.prompt_ids) for p in prompts)) and rows[1][1] == 1  # prefill: 3 prompts, not 12
         lengths = {len(r.response_ids) for r in rollouts}
         assert min(lengths) < 12 and any(r.truncated for r in rollouts) and len(lengths) > 2
         batch = pack(rollouts)

@@ -19,7 +19,7 @@ def run_all(*parts, tmp_path):
 def test_a_mistyped_part_stops_before_anything_runs(tmp_path):
     done = run_all("tests", "demo:fp16:2", tmp_path=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE])"
+    assert done.stderr.strip() == "run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS])"
     assert not (tmp_path / "logs").exists()
 
 

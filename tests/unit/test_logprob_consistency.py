@@ -58,7 +58,9 @@ def test_stored_logprobs_equal_trainer_forward(kind, tiny_text, vl_models, addit
     checked = 0
     for batch in batches:
         if kind == "image":
-            assert batch.mm_inputs["pixel_values"].shape[0] == 16 * len(batch.samples)
+            # One image per prompt, 16 patches, once per micro-batch however many responses share it.
+            prompts = {id(s.rollout.prompt) for s in batch.samples}
+            assert batch.mm_inputs["pixel_values"].shape[0] == 16 * len(prompts) < 16 * len(batch.samples)
         with torch.no_grad():
             logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
         for got, exp in zip(gather_responses(batch, logp), batch.samples):

@@ -4,6 +4,7 @@ own, equal to K hand-split updates; K = 1 is the whole-batch update."""
 import torch
 
 from tests.unit.test_logprob_consistency import build_trainer
+from vlrft.models.packing import prompt_groups
 from vlrft.trainer.update import policy_update
 
 
@@ -41,10 +42,13 @@ def test_four_mini_batches_equal_four_hand_split_updates(tiny_text, addition_dat
     metrics = update(split, experiences)
     assert metrics["train/optimizer_steps"] == 4.0
 
-    # By hand: the same shuffle, cut into 4 consecutive runs of 3, one whole-batch update each.
+    # By hand: the same shuffle (of whole groups: shared prompts keep a group's responses side by
+    # side), cut into 4 consecutive runs of 3, one whole-batch update each.
     by_hand = build_trainer(tiny_text, addition_data, tmp_path / "by_hand", extra)
     assert torch.equal(parameters(by_hand), start)
-    order = torch.randperm(len(experiences), generator=torch.Generator().set_state(shuffle)).tolist()
+    groups = prompt_groups(experiences, split.cfg.train.share_prompts)
+    assert split.cfg.train.share_prompts and len(groups) == 4
+    order = [i for g in torch.randperm(len(groups), generator=torch.Generator().set_state(shuffle)).tolist() for i in groups[g]]
     for k in range(4):
         assert update(by_hand, [experiences[i] for i in order[3 * k : 3 * k + 3]])["train/optimizer_steps"] == 1.0
     # Only the summation order inside a mini-batch differs (another micro-batch grouping); Adam

@@ -290,3 +290,27 @@ def test_saved_trajectories_carry_turns_and_the_trained_mask(made, tmp_path):
         shown = record.get("observation_images", [])
         assert len(shown) == len(e.rollout.observation_images) and all((path.parent / p).is_file() for p in shown)
     assert any("observation_images" in r for r in records) == (trainer.encoder.image_processor is not None)
+
+
+def test_shared_first_turn_prompts_give_the_unshared_numbers(made):
+    """Multi-turn samples share their first turn's prompt; a response holding observation images
+    keeps them, with the M-RoPE ids of its whole sequence. Logprobs, entropies and values equal
+    the unshared layout's."""
+    from vlrft.models.forward import policy_forward
+    from vlrft.models.packing import pack
+    from vlrft.models.value_model import token_values
+
+    trainer, experiences, _ = made
+    found = []
+    for share in (False, True):
+        batch = pack(experiences, share=share)
+        assert batch.shares_prompts() == share
+        with torch.no_grad():
+            out = policy_forward(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
+            values = token_values(trainer.critic.model, batch)
+        rows = zip(*(gather_responses(batch, t) for t in (out.logp, out.entropy, values)))
+        found.append({id(e): r for e, r in zip(batch.samples, rows)})
+    assert any(e.rollout.observation_images for e in experiences) == (trainer.encoder.image_processor is not None)
+    for key, rows in found[0].items():
+        for a, b in zip(rows, found[1][key]):
+            assert (a - b).abs().max() <= 1e-5

@@ -45,11 +45,21 @@ def main(out_file: str, overrides: list[str]) -> None:
     prompt = trainer.encoder.encode(trainer.train_rows[0], 0).prompt_ids
     sequences = [prompt + [10, 11, 12, 13], prompt + [40, 7, 300, 2, 90]]
     served = vllm_logprobs(trainer.engine.llm, sequences)
+    # A prompt sent again is served from vLLM's prefix cache (whole KV blocks: 128 tokens on
+    # CPU). Requests for prompt logprobs bypass the cache: these ask for one sampled token.
+    from vllm import SamplingParams
+
+    long = (prompt * (300 // len(prompt) + 1))[:300]
+    before = trainer.engine.prefix_cache_counts()
+    for ids in (long, long + [10]):
+        trainer.engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    hits, queries = (b - a for a, b in zip(before, trainer.engine.prefix_cache_counts()))
     trained, initial = load_model(f"{cfg.output.dir}/final"), load_model(cfg.model.path)
     result = {
         "rank": dist.get_rank(),
         "torch_stream": torch_stream,
         "engine_dtype": str(trainer.engine.llm.llm_engine.model_config.dtype),
+        "prefix_cache": [hits, queries],
         "diff_to_trained": max(float((s - hf_logprobs(trained, q)).abs().max()) for s, q in zip(served, sequences)),
         "diff_to_initial": max(float((s - hf_logprobs(initial, q)).abs().max()) for s, q in zip(served, sequences)),
     }

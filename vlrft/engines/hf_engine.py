@@ -93,22 +93,27 @@ class HFEngine:
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
 
     def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
-        width = max(len(p.prompt_ids) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+        # Each distinct prompt (and its images) is prefilled once; its cache rows are then
+        # repeated for its responses (`generate` passes each prompt n times in a row).
+        distinct = list({id(p): p for p in prompts}.values())
+        row_of = {id(p): row for row, p in enumerate(distinct)}
+        width = max(len(p.prompt_ids) for p in distinct)
+        input_ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)  # [U, P] left-padded
         attention_mask = torch.zeros_like(input_ids)
-        for row, p in enumerate(prompts):
+        for row, p in enumerate(distinct):
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[row, width - len(p.prompt_ids) :] = 1
-        positions = self._prompt_positions(prompts, attention_mask)
-        mm = concat_mm_inputs([p.mm_inputs for p in prompts]) | mm_token_type_ids([p.mm_token_types for p in prompts], width, left_pad=True)
+        positions = self._prompt_positions(distinct, attention_mask)
+        mm = concat_mm_inputs([p.mm_inputs for p in distinct]) | mm_token_type_ids([p.mm_token_types for p in distinct], width, left_pad=True)
         here = self.model.device
         tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
         logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token
         stop_ids = torch.tensor(self.stop_ids, device=here)
         running = torch.arange(len(prompts), device=here)  # rows of the batch still decoding
+        expand = torch.tensor([row_of[id(p)] for p in prompts], device=here)  # [B] each response's prompt row
         # Responses continue from the prompt's largest position id (on all three M-RoPE axes).
-        start = positions.amax(dim=(0, 2) if positions.dim() == 3 else -1, keepdim=True)  # [B, 1] / [1, B, 1]
-        next_position = (start.expand(3, -1, -1) if positions.dim() == 3 else start).to(here) + 1
+        start = positions.amax(dim=(0, 2) if positions.dim() == 3 else -1, keepdim=True)  # [U, 1] / [1, U, 1]
+        next_position = ((start.expand(3, -1, -1) if positions.dim() == 3 else start).to(here) + 1)[..., expand, :]
         attention_mask = attention_mask.to(here)
         with decoder_autocast(self.model):
             out = self.model(
@@ -116,8 +121,11 @@ class HFEngine:
                 use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
             )
             cache = getattr(out, self.cache_name)
+            if len(distinct) < len(prompts):
+                cache.batch_select_indices(expand)
+            logits, attention_mask = out.logits[expand, -1], attention_mask[expand]  # [B, V], [B, P]
             for step in range(params.max_new_tokens):
-                token, logprob = self._sample(out.logits[:, -1], params)
+                token, logprob = self._sample(logits, params)
                 tokens[running, step], logprobs[running, step] = token, logprob
                 going = ~torch.isin(token, stop_ids)
                 if step + 1 == params.max_new_tokens or not going.any():
@@ -131,6 +139,7 @@ class HFEngine:
                     input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
                     use_cache=True, **{self.cache_name: cache},
                 )
+                logits = out.logits[:, -1]
                 next_position = next_position + 1
         tokens, logprobs = tokens.tolist(), logprobs.cpu().tolist()
         return [make_rollout(p, tokens[row], self.tokenizer, self.stop_ids, logprobs[row]) for row, p in enumerate(prompts)]

@@ -22,6 +22,9 @@ class EngineSetupError(ConfigError):
     """The engine cannot start with this configuration or installation; one-line message."""
 
 
+PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+
+
 def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     """Consecutive ranks form one tensor-parallel group: [[0, 1], [2, 3], ...] for tp_size 2."""
     if tp_size < 1 or world_size % tp_size:
@@ -175,7 +178,14 @@ class VLLMEngine:
             mm_processor_kwargs=(
                 {"min_pixels": image_pixels[0], "max_pixels": image_pixels[1]} if is_vision_language(model_path) else None
             ),
+            # A multi-turn continuation, and a prompt met again in the same step, reuse the KV
+            # blocks already computed; the counters behind `prefix_cache_counts` need the stats.
+            enable_prefix_caching=True,
+            disable_log_stats=False,
         )
+        if not self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and rank() == 0:
+            print("vlrft: vLLM turned its prefix cache off for this model or platform: every request prefills "
+                  "its whole prompt (rollout/prefix_cache_hit_rate stays 0)", flush=True)
 
     def _generate(self, requests: list[dict], sampling: Callable[[int], list]) -> list:
         """vLLM outputs of this rank's `requests` (`sampling`: a callable from the TP group's
@@ -212,6 +222,14 @@ class VLLMEngine:
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
                 rollouts.append(make_rollout(prompt, list(sample.token_ids), self.tokenizer, self.stop_ids, logprobs))
         return rollouts
+
+    def prefix_cache_counts(self) -> tuple[float, float]:
+        """(hits, queries) of vLLM's prefix cache, in prompt tokens, since the engine started."""
+        totals = dict.fromkeys(PREFIX_CACHE_COUNTERS, 0.0)
+        for metric in self.llm.get_metrics():
+            if metric.name in totals:
+                totals[metric.name] += float(metric.value)
+        return tuple(totals.values())
 
     def score(self, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:
         """Text prompts only (`scores_images`): prompt + response go as token ids, and vLLM's

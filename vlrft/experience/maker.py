@@ -70,6 +70,7 @@ class MakerSettings:
     sampling: SamplingParams  # n = responses generated per prompt
     keep_per_prompt: int  # best-of-n keeps this many per prompt (== sampling.n: keep all)
     micro_batch_tokens: int
+    share_prompts: bool = False  # each prompt once per micro-batch (models/packing.pack)
     advantages: AdvantageOptions = field(default_factory=AdvantageOptions)
     kl: KLSettings = field(default_factory=KLSettings)
     mask_truncated: bool = False
@@ -267,7 +268,7 @@ class FastExperienceMaker:
         and values, with the trainer's own forward, one micro-batch at a time. With no rollouts,
         `placeholder` is run as a dummy micro-batch so this rank still joins its peers' forwards."""
         s = self.settings
-        batches = micro_batches(rollouts, s.micro_batch_tokens, placeholder)
+        batches = micro_batches(rollouts, s.micro_batch_tokens, placeholder, share=s.share_prompts)
         temperature = s.sampling.temperature
         found_for: dict[int, dict[str, torch.Tensor]] = {}  # id(rollout) -> its tensors (packing reorders)
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits

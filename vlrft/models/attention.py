@@ -30,6 +30,7 @@ from itertools import accumulate
 import torch
 
 from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+from vlrft.models.shared_keys import SHARED_KEYS
 from vlrft.models.torch_varlen import TORCH_VARLEN, torch_varlen_missing
 
 ATTENTION_CHOICES = ("auto", "sdpa", "sdpa_segments", "flash_attention_2", "torch_varlen")
@@ -91,20 +92,45 @@ def uses_varlen(backbone: torch.nn.Module) -> bool:
     return implementation in (TORCH_VARLEN, SDPA_SEGMENTS) or "flash" in implementation
 
 
-def block_causal_mask(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """True where a token may attend: earlier-or-same tokens of its own sequence. [1, 1, T, T],
-    built where it is used (T^2 booleans: never copied between devices)."""
-    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))  # [T]
-    position = torch.arange(sample.shape[0], device=device)  # [T]
-    mask = (sample[:, None] == sample[None, :]) & (position[:, None] >= position[None, :])  # [T, T]
+def block_causal_mask(lengths: list[int], device: torch.device | str = "cpu", parents: list[int] | None = None) -> torch.Tensor:
+    """True where a token may attend: earlier-or-same tokens of its own segment and, for a
+    segment continuing a shared prompt (`parents[i]` >= 0), every token of that prompt.
+    [1, 1, T, T], built where it is used (T^2 booleans: never copied between devices)."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))  # [T]
+    position = torch.arange(segment.shape[0], device=device)  # [T]
+    mask = (segment[:, None] == segment[None, :]) & (position[:, None] >= position[None, :])  # [T, T]
+    if parents is not None and max(parents, default=-1) >= 0:
+        parent = torch.tensor(parents, device=device)[segment]  # [T] each token's segment's prompt (-1: none)
+        mask |= parent[:, None] == segment[None, :]
     return mask[None, None]
 
 
-def varlen_kwargs(lengths: list[int]) -> dict:
-    """The kwargs transformers forwards to the varlen kernel: sample starts and the longest."""
+def varlen_kwargs(lengths: list[int], parents: list[int] | None = None) -> dict:
+    """The kwargs transformers forwards to the varlen kernels: segment starts and the longest.
+    With shared prompts (`parents[i]` >= 0: segment i continues prompt segment `parents[i]`)
+    each segment's keys are its prompt's tokens then its own: `shared_key_index` lists them
+    (positions in the row, segment after segment) and `cu_seq_lens_k` their starts; causality is
+    aligned at the end (a segment's query i sees its keys up to its prompt's length + i)."""
     starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)  # [S + 1]
-    longest = max(lengths)
-    return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest}
+    kwargs = {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+    if parents is None or max(parents, default=-1) < 0:
+        return kwargs
+    keys = [torch.arange(starts[i], starts[i + 1]) for i in range(len(lengths))]
+    keys = [torch.cat([keys[p], own]) if p >= 0 else own for p, own in zip(parents, keys)]
+    key_lengths = [len(k) for k in keys]
+    return kwargs | {"cu_seq_lens_k": torch.tensor([0, *accumulate(key_lengths)], dtype=torch.int32),
+                     "max_length_k": max(key_lengths), SHARED_KEYS: torch.cat(keys)}
+
+
+def check_shared_prefix_support(backbone: torch.nn.Module, shared: bool) -> None:
+    """Only the implementations that read a shared-prompt layout may run one: sdpa (the block
+    mask), sdpa_segments, torch_varlen and flash_attention_2 (each segment's gathered keys).
+    Others would drop it silently: flex or eager attention, another flash kernel."""
+    implementation = backbone.config._attn_implementation or ""
+    if shared and implementation not in ("sdpa", SDPA_SEGMENTS, TORCH_VARLEN, "flash_attention_2"):
+        raise ValueError(f"train.share_prompts: attention '{implementation}' cannot run a shared-prompt micro-batch; "
+                         f"set model.attention to auto, sdpa, sdpa_segments, torch_varlen or flash_attention_2, "
+                         f"or train.share_prompts: false")
 
 
 def decoder_autocast(model: torch.nn.Module):

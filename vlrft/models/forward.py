@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.algo.entropy import token_entropy
-from vlrft.models.packing import forward_inputs
+from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
 from vlrft.models.vision_calls import encode_vision
@@ -32,7 +32,7 @@ from vlrft.types import MicroBatch
 class ForwardOut:
     logp: torch.Tensor  # [B, L] logprob of each response token given its prefix (0 elsewhere)
     entropy: torch.Tensor  # [B, L] entropy of the sampling distribution at each response token
-    logits: torch.Tensor | None = None  # [B, L-1, V] temperature-scaled, only with keep_logits
+    logits: torch.Tensor | None = None  # [B, L-1, V] temperature-scaled, [:, p-1] predicting token p; only with keep_logits
     aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when requested
 
 
@@ -68,24 +68,28 @@ def _head_stats(
     """The LM-head half of `policy_forward` (under its autocast); `hidden` [B, L, H] in the
     compute dtype."""
     aux = router_aux_loss(inner, tuple(r.float() for r in base.router_logits)) if moe_aux else None
-    scored = batch.response_mask[:, 1:].bool().to(hidden.device)  # [B, L-1] position p predicts token p+1
-    targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
+    scored = batch.response_mask.bool().to(hidden.device)  # [B, L] the response tokens
+    rows = predictor_rows(batch).to(hidden.device)  # [B, L] the position predicting each token
     if keep_logits:
-        logits = inner.lm_head(hidden[:, :-1]).float() / temperature  # [B, L-1, V]
+        predicting = hidden.gather(1, rows[:, 1:, None].expand(-1, -1, hidden.shape[-1]))  # [B, L-1, H] for tokens 1..L-1
+        logits = inner.lm_head(predicting).float() / temperature  # [B, L-1, V]
+        targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
-        keep = scored.float()
+        keep = scored[:, 1:].float()
         return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
-    logp_sel, entropy_sel = chunked_token_stats(hidden[:, :-1][scored], targets[scored], inner.lm_head, temperature, chunk_tokens)
-    logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L-1] fp32
-    entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L-1] fp32
+    sample, token = scored.nonzero(as_tuple=True)  # [N] each, in row order
+    targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
+    logp_sel, entropy_sel = chunked_token_stats(hidden[sample, rows[sample, token]], targets, inner.lm_head, temperature, chunk_tokens)
+    logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32
+    entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L] fp32
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect. It
         # goes through the same chunked (checkpointed) LM-head call as one scored token: ZeRO-3
         # gathers parameters per module call, so every rank must make the same calls.
-        zero, _ = chunked_token_stats(hidden[0, :1], targets[0, :1], inner.lm_head, temperature, chunk_tokens)
+        zero, _ = chunked_token_stats(hidden[0, :1], batch.input_ids[0, :1].to(hidden.device), inner.lm_head, temperature, chunk_tokens)
         logp = logp + 0.0 * zero.sum()
-    return ForwardOut(logp=_shift(logp), entropy=_shift(entropy), aux_loss=aux)
+    return ForwardOut(logp=logp, entropy=entropy, aux_loss=aux)
 
 
 def router_aux_loss(causal_lm: torch.nn.Module, router_logits) -> torch.Tensor:

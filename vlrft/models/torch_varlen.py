@@ -18,6 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from vlrft.models.shared_keys import gather_shared_keys
+
 TORCH_VARLEN = "vlrft_torch_varlen"
 
 try:
@@ -41,14 +43,16 @@ def torch_varlen_missing() -> str:
 
 def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                            sliding_window=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                           max_length_q=None, max_length_k=None, **kwargs):
+                           max_length_q=None, max_length_k=None, shared_key_index=None, **kwargs):
     """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] ->
-    ([1, T, H, D], None)."""
+    ([1, T, H, D], None). With shared prompts the keys are gathered per segment first
+    (models/shared_keys.py); the kernel's causal window is aligned at each run's end."""
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout or sliding_window:
         raise ValueError(f"model.attention torch_varlen supports neither attention dropout nor sliding windows "
                          f"({type(module).__name__}: dropout {dropout}, sliding_window {sliding_window})")
+    key, value = gather_shared_keys(key, value, shared_key_index)
     # The kernel runs in bf16/fp16 only; rotary embeddings leave q and k fp32 under autocast.
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
@@ -65,3 +69,17 @@ def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.
 
 
 AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
+
+_FLASH_ATTENTION_2 = AttentionInterface._global_mapping.get("flash_attention_2")
+
+
+def flash_attention_2_sharing(module, query, key, value, attention_mask, shared_key_index=None, **kwargs):
+    """transformers' flash_attention_2, with a shared-prompt micro-batch's keys gathered run by
+    run first: flash-attn's varlen kernel takes query and key runs of unequal lengths
+    (`cu_seq_lens_k`) and aligns its causal window at each run's end (flash-attn >= 2.1)."""
+    key, value = gather_shared_keys(key, value, shared_key_index)
+    return _FLASH_ATTENTION_2(module, query, key, value, attention_mask, **kwargs)
+
+
+if _FLASH_ATTENTION_2 is not None:
+    AttentionInterface.register("flash_attention_2", flash_attention_2_sharing)

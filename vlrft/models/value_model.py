@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlrft.models.packing import forward_inputs
+from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.vision_calls import encode_vision
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
@@ -45,4 +45,5 @@ def token_values(critic: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Value of the state before each token, at the token's own position (as logprobs). [B, L]."""
     inner = getattr(critic, "module", critic)  # a DeepSpeed engine wraps the value model
     values = critic(**forward_inputs(inner.backbone, batch))  # [B, L] value after reading position p
-    return torch.nn.functional.pad(values[:, :-1].float(), (1, 0))
+    before = values.gather(1, predictor_rows(batch).to(values.device))  # [B, L] value after reading the token's predictor
+    return torch.nn.functional.pad(before[:, 1:], (1, 0))  # a row's first token has none

@@ -11,12 +11,13 @@ the experience pass, whose group statistics (GRPO advantages) need each group on
 from __future__ import annotations
 
 from vlrft.distributed import all_gather_objects, rank, send_objects, world_size
-from vlrft.models.collate import sequence_length
+from vlrft.models.collate import rollout_of, sequence_length
+from vlrft.models.packing import prompt_groups
 
 
 def balance_moves(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
-    """Which samples to move, as `(source rank, index on the source, destination rank)`, given
-    each rank's sample lengths. Greedy and deterministic (every rank computes the same plan):
+    """Which units (samples, or whole prompt groups) to move, as `(source rank, index on the
+    source, destination rank)`, given each rank's unit lengths. Greedy and deterministic (every rank computes the same plan):
     repeatedly the most loaded rank sends the least loaded one the own sample whose length is
     closest to half their gap, while that lowers the larger of the two loads. A sample moves at
     most once, so few samples travel and the loop ends."""
@@ -43,23 +44,34 @@ def imbalance(loads: list[int]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def balance_across_ranks(samples: list) -> tuple[list, dict[str, float]]:
+def unit_length(samples: list) -> int:
+    """Tokens a run of samples of one prompt costs: each sample's prompt + response, or with
+    shared prompts (more than one sample) the prompt once plus every response."""
+    prompt = len(rollout_of(samples[0]).prompt.prompt_ids)
+    responses = sum(len(rollout_of(s).response_ids) for s in samples)
+    return prompt + responses if len(samples) > 1 else sequence_length(samples[0])
+
+
+def balance_across_ranks(samples: list, share_prompts: bool = False) -> tuple[list, dict[str, float]]:
     """This rank's samples after balancing (its kept samples in their order, then those it
-    received, by source rank) and the imbalance before and after. A collective."""
+    received, by source rank) and the imbalance before and after. With `share_prompts` a
+    prompt's responses move together (each rank would otherwise run the prompt again), and
+    the loads count each prompt once. A collective."""
     if world_size() == 1:
         return samples, {}
-    lengths = all_gather_objects([sequence_length(s) for s in samples])
+    units = [[samples[i] for i in group] for group in prompt_groups(samples, share_prompts)]
+    lengths = all_gather_objects([unit_length(unit) for unit in units])
     moves = balance_moves(lengths)
     me = rank()
     leaving = {index for source, index, _ in moves if source == me}
     transfers: dict[tuple[int, int], list] = {}
     for source, index, destination in moves:
-        transfers.setdefault((source, destination), []).append(samples[index] if source == me else None)
+        transfers.setdefault((source, destination), []).extend(units[index] if source == me else [])
     received = send_objects([(source, destination, objects) for (source, destination), objects in sorted(transfers.items())])
     loads = [sum(ranks) for ranks in lengths]
     after = loads[:]
     for source, index, destination in moves:
         after[source] -= lengths[source][index]
         after[destination] += lengths[source][index]
-    kept = [s for i, s in enumerate(samples) if i not in leaving]
+    kept = [s for i, unit in enumerate(units) if i not in leaving for s in unit]
     return kept + received, {"perf/rank_imbalance_before": imbalance(loads), "perf/rank_imbalance": imbalance(after)}

@@ -191,7 +191,7 @@ class SPMDTrainer:
         self.policy_ema = None
         if cfg.train.ema_beta > 0:
             self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
-        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank)
+        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank, share_prompts=cfg.train.share_prompts)
         self.sampler = PromptSampler(
             len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
         )
@@ -249,7 +249,12 @@ class SPMDTrainer:
         self.global_step += 1
         start = time.perf_counter()
         self.guards.start_step()  # the step's budget for reward and environment calls
+        cache_counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's prefix cache (every rank's engine)
+        cache_before = torch.tensor(cache_counts()) if cache_counts else None
         kept, generated, metrics = self._collect_experiences()
+        if cache_counts:
+            hits, queries = all_reduce_sum(torch.tensor(cache_counts()) - cache_before).tolist()
+            metrics["rollout/prefix_cache_hit_rate"] = hits / max(queries, 1.0)
         if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
             metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
         return self._learn(kept, generated, metrics, start)
@@ -272,7 +277,7 @@ class SPMDTrainer:
         made = time.perf_counter()
         mark_correct(generated, self.rewards)
         metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | made_metrics
-        experiences, balance_metrics = balance_across_ranks(experiences)  # from here on, this rank's share
+        experiences, balance_metrics = balance_across_ranks(experiences, cfg.train.share_prompts)  # from here on, this rank's share
         metrics |= balance_metrics
         self.buffer.clear()
         self.buffer.add(experiences or [placeholder])

@@ -96,7 +96,7 @@ def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> li
     rollouts = [e.rollout for e in scored]
     placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout
     sums: dict[int, float] = {}
-    for batch in micro_batches(rollouts, trainer.cfg.train.micro_batch_tokens, placeholder):
+    for batch in micro_batches(rollouts, trainer.cfg.train.micro_batch_tokens, placeholder, share=trainer.cfg.train.share_prompts):
         logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
         if not batch.dummy:
             for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):

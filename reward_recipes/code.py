@@ -6,7 +6,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from vlrft.rewards.sandbox import OUTPUT_LIMIT, run_python, run_tests
+from vlrft.isolation.sandbox import OUTPUT_LIMIT, run_python, run_tests
 
 # A fenced block: ``` + optional language tag, newline, body, closing ```.
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -52,7 +52,7 @@ def _read_tests(sample: dict, index: int) -> str | list[tuple[str, str]] | None:
 
 def _passes_asserts(program: str, tests: str, timeout_s: float, memory_mb: int) -> bool:
     # The tests run in a harness sandbox of their own that holds the verdict; the program only
-    # answers the calls they make (vlrft/rewards/sandbox.py, run_tests): it cannot read the
+    # answers the calls they make (vlrft/isolation/sandbox.py, run_tests): it cannot read the
     # tests, exit "successfully" before them, or print its way to a pass.
     return run_tests(program, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
 

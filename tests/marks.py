@@ -2,7 +2,7 @@
 
 import pytest
 
-from vlrft.rewards.sandbox import isolation_problem
+from vlrft.isolation.sandbox import isolation_problem
 
 # Running model-written code needs the bubblewrap sandbox (.ci/run installs it); without it
 # code recipes refuse to run, which test_code_recipe.py tests.

@@ -55,7 +55,7 @@ def _validate_multi_turn(rollout, unsafe_no_isolation: bool) -> None:
         return
     from vlrft.multiturn.environment import resolve_environment
     from vlrft.multiturn.tools import BUILTIN_TOOLS, ToolEnvironment, resolve_tool
-    from vlrft.rewards.sandbox import check_can_run_code, runs_code
+    from vlrft.isolation.sandbox import check_can_run_code, runs_code
 
     factory = resolve_environment(rollout.environment)  # one line when it cannot be found or loaded
     tools = rollout.environment_args.get("tools", ["calculator"]) if factory is ToolEnvironment else []
@@ -167,7 +167,7 @@ def validate(cfg: Config) -> None:
 
 def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool) -> None:
     from vlrft.rewards.loading import resolve_recipe  # imports the recipes: unknown names fail here
-    from vlrft.rewards.sandbox import check_can_run_code, runs_code
+    from vlrft.isolation.sandbox import check_can_run_code, runs_code
 
     for source, mix in {"default": reward.default, **reward.by_data_source}.items():
         if not mix:

@@ -10,8 +10,8 @@ import pytest
 
 from tests.marks import needs_sandbox
 from reward_recipes.code import extract_program, normalise_output, unit_tests
-from vlrft.rewards import sandbox
-from vlrft.rewards.sandbox import SandboxUnavailable, run_python, run_tests
+from vlrft.isolation import sandbox
+from vlrft.isolation.sandbox import SandboxUnavailable, run_python, run_tests
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = {"id": "add", "meta": {"tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"}}
@@ -160,7 +160,7 @@ def test_a_failed_verdict_says_why():
 
 
 def without_bubblewrap(monkeypatch):
-    from vlrft.rewards import sandbox
+    from vlrft.isolation import sandbox
 
     monkeypatch.setattr(sandbox, "_bubblewrap", lambda: (None, "bubblewrap (bwrap) is not installed"))
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
@@ -170,7 +170,7 @@ def test_without_isolation_code_is_refused_unless_opted_in(monkeypatch, tmp_path
     """No bubblewrap: the config refuses to load, a call refuses to run, both in one line; with
     sandbox.unsafe_no_isolation the run starts (warning once) and programs run under the audit hook."""
     from vlrft.config import load_config
-    from vlrft.rewards import sandbox
+    from vlrft.isolation import sandbox
 
     without_bubblewrap(monkeypatch)
     with pytest.raises(SandboxUnavailable, match=r"^this call runs model-written code, which needs OS isolation, "
@@ -201,7 +201,7 @@ def test_without_isolation_code_is_refused_unless_opted_in(monkeypatch, tmp_path
 def test_an_interpreter_under_tmp_stays_visible(monkeypatch, tmp_path):
     """The sandbox's /tmp is a tmpfs of its own; a venv that lives under the host's /tmp (as
     .ci/run's may) is bound after it, not hidden by it (found by a clean-clone CI run)."""
-    from vlrft.rewards import sandbox
+    from vlrft.isolation import sandbox
 
     venv = tmp_path / "venv"
     venv.mkdir()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlrft.config import load_config
-from vlrft.rewards.budget import CallStalled, StepBudget
+from vlrft.isolation.budget import CallStalled, StepBudget
 from vlrft.rewards.guard import call_recipe
 from vlrft.rewards.mix import sample_ids
 from vlrft.trainer.sync_check import SyncError, mean_gap, sync_problem
@@ -86,7 +86,7 @@ def test_sync_problem_names_engine_step_and_gap():
 
 
 def test_step_budget_cuts_a_call_short_and_names_it():
-    from vlrft.rewards import budget
+    from vlrft.isolation import budget
 
     budget.STEP_BUDGET.start(0.3)
     try:

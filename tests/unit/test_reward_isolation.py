@@ -12,7 +12,8 @@ import pytest
 from tests.recipe_plugin import install_recipe_plugin
 from vlrft.config import ConfigError, RecipeSpec, RewardConfig, load_config
 from vlrft.rewards import RewardMix, available_recipes, resolve_recipe
-from vlrft.rewards.guard import RecipeFailure, abandoned_calls, call_recipe, check_scores
+from vlrft.isolation.calls import abandoned_calls
+from vlrft.rewards.guard import RecipeFailure, call_recipe, check_scores
 from vlrft.workers import killed_calls
 
 RECIPES = '''

@@ -160,7 +160,7 @@ def test_start_checks():
 
 def test_a_code_recipe_needs_isolation_or_the_unsafe_opt_in(monkeypatch):
     """Where bubblewrap cannot run, the server refuses a code recipe, even on loopback."""
-    from vlrft.rewards import sandbox
+    from vlrft.isolation import sandbox
 
     code, exact = resolve_recipe("code_unit_tests"), resolve_recipe("exact_match")
     monkeypatch.setattr(sandbox, "_bubblewrap", lambda: (None, "bubblewrap (bwrap) is not installed"))
@@ -175,10 +175,10 @@ def test_a_code_recipe_needs_isolation_or_the_unsafe_opt_in(monkeypatch):
 
 
 def test_user_recipes_using_the_sandbox_count_as_code(tmp_path):
-    (tmp_path / "mine.py").write_text("from vlrft.rewards.sandbox import run_python\n"
+    (tmp_path / "mine.py").write_text("from vlrft.isolation.sandbox import run_python\n"
                                       "def run(completions, samples):\n    return [0.0] * len(completions)\n")
     assert runs_code(resolve_recipe(f"{tmp_path / 'mine.py'}:run"))
-    (tmp_path / "theirs.py").write_text("from vlrft.rewards import sandbox\n"
+    (tmp_path / "theirs.py").write_text("from vlrft.isolation import sandbox\n"
                                         "def run(completions, samples):\n    return [0.0] * len(completions)\n")
     assert runs_code(resolve_recipe(f"{tmp_path / 'theirs.py'}:run"))
     (tmp_path / "plain.py").write_text("import os\ndef run(completions, samples):\n    return [0.0] * len(completions)\n")

@@ -1,4 +1,4 @@
-"""Hostile programs against the code sandbox (vlrft/rewards/sandbox.py), as a policy under RL
+"""Hostile programs against the code sandbox (vlrft/isolation/sandbox.py), as a policy under RL
 pressure would write them: escapes through the file system, reads of the trainer's secrets,
 process and disk exhaustion, the network, and forged test verdicts. Each must be contained, and
 every forged verdict must score 0. A secret is planted in the home directory, the trainer's
@@ -22,8 +22,8 @@ import pytest
 from reward_recipes.code import unit_tests
 from tests.marks import needs_sandbox
 from vlrft.multiturn.tools import ToolEnvironment
-from vlrft.rewards import sandbox
-from vlrft.rewards.sandbox import TMPFS_BYTES, run_python, run_tests
+from vlrft.isolation import sandbox
+from vlrft.isolation.sandbox import TMPFS_BYTES, run_python, run_tests
 
 pytestmark = needs_sandbox
 
@@ -392,7 +392,7 @@ print("msgget", libc.msgget(0, 0o1600), ctypes.get_errno())
 
 
 def test_threads_are_capped():
-    from vlrft.rewards.sandboxed.child_limits import TASKS
+    from vlrft.isolation.sandboxed.child_limits import TASKS
 
     result = run_python("""
 import os, threading, time

@@ -13,8 +13,9 @@ import pytest
 
 from vlrft.multiturn.environment import EnvironmentFailure
 from vlrft.multiturn.host import EnvironmentHost
-from vlrft.rewards.budget import STEP_BUDGET, CallStalled
-from vlrft.rewards.guard import RecipeFailure, abandoned_calls, call_recipe_in_worker, recipe_worker
+from vlrft.isolation.budget import STEP_BUDGET, CallStalled
+from vlrft.isolation.calls import abandoned_calls
+from vlrft.rewards.guard import RecipeFailure, call_recipe_in_worker, recipe_worker
 from vlrft.workers import CallFailed, CallTimedOut, Worker, killed_calls
 
 MARGIN_S = 1.5  # a kill and its reaping, on a loaded two-core machine

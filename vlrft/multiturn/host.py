@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vlrft.multiturn.environment import Environment, EnvironmentFailure, resolve_environment
-from vlrft.rewards.guard import call_in_worker
+from vlrft.isolation.calls import call_in_worker
 from vlrft.workers import START_TIMEOUT_S, CallFailed, Worker
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 from vlrft.errors import ConfigError
 from vlrft.multiturn.environment import Step
 from vlrft.registry import load_callable
-from vlrft.rewards.sandbox import run_python
+from vlrft.isolation.sandbox import run_python
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _OPERATORS = {

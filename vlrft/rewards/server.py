@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 from vlrft.errors import ConfigError
 from vlrft.rewards.guard import RecipeFailure, call_recipe
 from vlrft.rewards.loading import resolve_recipe
-from vlrft.rewards.sandbox import allow_unisolated
+from vlrft.isolation.sandbox import allow_unisolated
 from vlrft.rewards.server_checks import (Limits, Rejected, ServerOptions, check_body_length, check_json_text,
                                          check_request, check_start, check_token)
 from vlrft.rewards.wire import PixelLimitError, WireError, decode_samples

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from vlrft.errors import ConfigError
-from vlrft.rewards.sandbox import check_can_run_code, runs_code
+from vlrft.isolation.sandbox import check_can_run_code, runs_code
 
 TOKEN_ENV = "VLRFT_REWARD_TOKEN"
 

@@ -2,7 +2,7 @@
 would not raise stops the run, or warns, with one line naming the culprit.
 
 - weight sync: the engine serves what the trainer trained (trainer/sync_check.py)
-- reward and environment stalls: a step's calls fit a wall-clock budget (rewards/budget.py)
+- reward and environment stalls: a step's calls fit a wall-clock budget (isolation/budget.py)
 - stuck reward components and memory growth (trainer/watches.py)
 
 (A rank that fails or dies stops every rank: vlrft/rank_watch.py. Rewards that are all zero:
@@ -14,7 +14,7 @@ import torch
 
 from vlrft.config import GuardsConfig
 from vlrft.distributed import all_gather_1d, all_gather_objects
-from vlrft.rewards.budget import CALL_KINDS, STEP_BUDGET
+from vlrft.isolation.budget import CALL_KINDS, STEP_BUDGET
 from vlrft.trainer.sync_check import SyncCheck
 from vlrft.trainer.watches import (
     ComponentWatch,

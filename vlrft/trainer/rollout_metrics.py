@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.experience.maker import completion_fields
-from vlrft.rewards.guard import abandoned_calls
+from vlrft.isolation.calls import abandoned_calls
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_gather_objects, all_reduce_sum
 from vlrft.types import Experience

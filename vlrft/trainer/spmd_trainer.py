@@ -22,7 +22,7 @@ from vlrft.config_checks import check_world_size
 from vlrft.data.columns import columns_from
 from vlrft.data.encoding import PromptEncoder
 from vlrft.data.media import media_from
-from vlrft.rewards.sandbox import configure as sandbox_settings
+from vlrft.isolation.sandbox import configure as sandbox_settings
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES

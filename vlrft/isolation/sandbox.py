@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlrft.errors import ConfigError
-from vlrft.rewards.sandboxed.child_limits import TASKS  # threads of one sandbox (also its pids cgroup's)
+from vlrft.isolation.sandboxed.child_limits import TASKS  # threads of one sandbox (also its pids cgroup's)
 
 OUTPUT_LIMIT = 64 * 1024  # bytes of stdout / stderr kept
 FILE_LIMIT = 16 * 1024 * 1024  # RLIMIT_FSIZE: an endless print loop fails here (EFBIG)

@@ -116,10 +116,6 @@ class Segment:
     response: bool  # holds the response's tokens
     parent: int = -1  # a response-only segment: the index of the prompt segment it continues
 
-    def length(self) -> int:
-        rollout = self.sample if isinstance(self.sample, Rollout) else self.sample.rollout
-        return len(rollout.prompt.prompt_ids) * self.prompt + len(rollout.response_ids) * self.response
-
 
 @dataclass
 class MicroBatch:

@@ -13,7 +13,7 @@ import vlrft.models.torch_varlen as torch_varlen
 from tests.reference_flash import reference_flash  # noqa: F401 (fixture)
 from tests.conftest import make_mixed_rollouts
 from tests.unit.test_model_families import frames, video_rollouts  # noqa: F401  (frames: a fixture)
-from tests.unit.test_torch_varlen import text_rollouts
+from tests.unit.test_torch_varlen import ReferenceVarlen, text_rollouts
 from vlrft.models.attention import block_causal_mask, resolve_attention, varlen_kwargs
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import policy_forward
@@ -207,28 +207,11 @@ def test_qwen3_vl_image_groups_match(vl_models, colour_data, tmp_path):
     assert_shared_equals_unshared(path, groups_of(make_mixed_rollouts(path, colour_data, tmp_path), 3), critic=False)
 
 
-class SharedReferenceVarlen:
-    """torch.nn.attention.varlen.varlen_attn's signature on the CPU, run by sdpa run by run,
-    with a causal window aligned at each run's end (FlashAttention's convention)."""
-
-    def __call__(self, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert window_size == (-1, 0)
-        qs, ks = cu_seq_q.tolist(), cu_seq_k.tolist()
-        assert max_q == max(b - a for a, b in zip(qs, qs[1:])) and max_k == max(b - a for a, b in zip(ks, ks[1:]))
-        out = []
-        for (qa, qb), (ka, kb) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
-            allowed = torch.ones(qb - qa, kb - ka, dtype=torch.bool).tril((kb - ka) - (qb - qa))
-            out.append(F.scaled_dot_product_attention(q[qa:qb].float().transpose(0, 1), k[ka:kb].float().transpose(0, 1),
-                                                      v[ka:kb].float().transpose(0, 1), attn_mask=allowed, scale=scale,
-                                                      enable_gqa=enable_gqa).to(q.dtype))
-        return torch.cat(out, dim=1).transpose(0, 1)
-
-
 @pytest.mark.parametrize("attention", ["torch_varlen", "flash_attention_2"])
 def test_varlen_kernels_get_each_segments_keys(attention, tiny_text, addition_data, monkeypatch, reference_flash):
     """On the CPU references with the kernels' signatures stand in for the CUDA kernels (the real
     ones: tests/gpu/test_flash_packing.py): PyTorch's varlen_attn and flash-attn's varlen function."""
-    monkeypatch.setattr(torch_varlen, "varlen_attn", SharedReferenceVarlen())
+    monkeypatch.setattr(torch_varlen, "varlen_attn", ReferenceVarlen(shared_keys=True))
     rollouts = groups_of(text_rollouts(tiny_text, addition_data), 3)
     reference = load_model(tiny_text, attention=resolve_attention("sdpa_segments", "float32")).eval()
     model = load_model(tiny_text).eval()

@@ -24,20 +24,28 @@ from vlrft.types import Rollout
 
 
 class ReferenceVarlen:
-    """torch.nn.attention.varlen.varlen_attn's signature, computed one sample at a time."""
+    """torch.nn.attention.varlen.varlen_attn's signature, computed one run at a time. With
+    `shared_keys` (shared-prompt micro-batches) key runs may be longer than query runs, and the
+    causal window is aligned at each run's end (FlashAttention's convention); without, query
+    and key runs must be the same."""
 
-    def __init__(self):
+    def __init__(self, shared_keys: bool = False):
+        self.shared_keys = shared_keys
         self.calls = []  # (sample starts, q dtype, window_size, q heads, kv heads)
 
     def __call__(self, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
-        starts = cu_seq_q.tolist()
+        assert self.shared_keys or torch.equal(cu_seq_q, cu_seq_k)
+        assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
+        starts, key_starts = cu_seq_q.tolist(), cu_seq_k.tolist()
         assert max_q == max(b - a for a, b in zip(starts, starts[1:])) and starts[-1] == q.shape[0]
+        assert max_k == max(b - a for a, b in zip(key_starts, key_starts[1:])) and key_starts[-1] == k.shape[0]
         assert enable_gqa or k.shape[1] == q.shape[1]  # without GQA support the heads must match
         self.calls.append((starts, q.dtype, window_size, q.shape[1], k.shape[1]))
-        out = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                              is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa)
-               for a, b in zip(starts, starts[1:])]
+        out = []
+        for (a, b), (c, d) in zip(zip(starts, starts[1:]), zip(key_starts, key_starts[1:])):
+            allowed = torch.ones(b - a, d - c, dtype=torch.bool).tril((d - c) - (b - a)) if window_size == (-1, 0) else None
+            out.append(F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1),
+                                                      attn_mask=allowed, scale=scale, enable_gqa=enable_gqa))
         return torch.cat(out, dim=1).transpose(0, 1)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from vlrft.distributed import all_reduce_max_int
 from vlrft.models.attention import block_causal_mask, check_shared_prefix_support, uses_varlen, varlen_kwargs
-from vlrft.models.collate import concat_mm_inputs, rollout_of, sequence_length
+from vlrft.models.collate import concat_mm_inputs, rollout_of
 from vlrft.types import Experience, MicroBatch, Prompt, Rollout, Segment
 
 
@@ -52,6 +52,12 @@ def prompt_groups(samples: list, share: bool) -> list[list[int]]:
     return list(groups.values())
 
 
+def packed_length(samples: list) -> int:
+    """Tokens that samples of one prompt take in a micro-batch together: the prompt once, then
+    every response (one sample: its whole sequence)."""
+    return len(rollout_of(samples[0]).prompt.prompt_ids) + sum(len(rollout_of(s).response_ids) for s in samples)
+
+
 def split_by_token_budget(samples: list, micro_batch_tokens: int, share: bool = False) -> list[list]:
     """Samples cut into micro-batches of at most `micro_batch_tokens` tokens (a lone longer
     sample forms its own), each keeping its samples in their input order. With `share`, a
@@ -60,20 +66,15 @@ def split_by_token_budget(samples: list, micro_batch_tokens: int, share: bool = 
     micro-batch with room for it: fewer, fuller micro-batches than a consecutive split when
     lengths are skewed."""
     units: list[list[int]] = []  # runs of samples that go into one micro-batch together
-    costs: list[int] = []
     for group in prompt_groups(samples, share):
-        prompt = len(rollout_of(samples[group[0]]).prompt.prompt_ids)
-        run, cost = [], prompt
+        run: list[int] = []
         for i in group:
-            response = len(rollout_of(samples[i]).response_ids)
-            if run and cost + response > micro_batch_tokens:
+            if run and packed_length([samples[j] for j in run + [i]]) > micro_batch_tokens:
                 units.append(run)
-                costs.append(cost)
-                run, cost = [], prompt
+                run = []
             run.append(i)
-            cost += response
         units.append(run)
-        costs.append(cost)
+    costs = [packed_length([samples[i] for i in unit]) for unit in units]
     batches: list[list[int]] = []
     room: list[int] = []  # tokens left in each micro-batch
     for u in sorted(range(len(units)), key=lambda u: -costs[u]):
@@ -203,12 +204,12 @@ def position_ids(backbone: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     shared prompt gets the ids it would have after its own copy of the prompt."""
     rope_index = getattr(backbone, "get_rope_index", None)
     parts = []
-    for segment in batch.segments:
+    for segment, length in zip(batch.segments, batch.seq_lengths):
         rollout = rollout_of(segment.sample)
         prompt_length = len(rollout.prompt.prompt_ids)
         if rope_index is None:
             start = 0 if segment.prompt else prompt_length
-            parts.append(torch.arange(start, start + segment.length()))
+            parts.append(torch.arange(start, start + length))
             continue
         if segment.response and rollout.observation_images:
             whole = rope_positions(rope_index, rollout.prompt.prompt_ids + rollout.response_ids,

@@ -3,11 +3,15 @@ segment attends to its prompt's tokens and then its own, so the varlen kernels g
 segment starts of the queries, the rows of each segment's keys (`SHARED_KEYS`, built by
 attention.varlen_kwargs) and the starts of those runs (`cu_seq_lens_k`). Causality is aligned
 at the end of each run: query i of a response segment of length R after a prompt of length P
-sees keys 0 .. P + i, exactly what it sees after its own copy of the prompt."""
+sees keys 0 .. P + i, exactly what it sees after its own copy of the prompt.
+
+sdpa_segments and torch_varlen gather the keys themselves; transformers' own flash_attention_2
+is wrapped here to do the same (registered under its name at import)."""
 
 from __future__ import annotations
 
 import torch
+from transformers import AttentionInterface
 
 SHARED_KEYS = "shared_key_index"  # the kwarg transformers forwards to the attention function
 
@@ -27,3 +31,18 @@ def end_aligned_causal_mask(queries: int, keys: int, device) -> torch.Tensor | N
     if queries == keys:
         return None
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)[None, None]
+
+
+_FLASH_ATTENTION_2 = AttentionInterface._global_mapping.get("flash_attention_2")
+
+
+def flash_attention_2_sharing(module, query, key, value, attention_mask, shared_key_index=None, **kwargs):
+    """transformers' flash_attention_2, with a shared-prompt micro-batch's keys gathered run by
+    run first: flash-attn's varlen kernel takes query and key runs of unequal lengths
+    (`cu_seq_lens_k`) and aligns its causal window at each run's end (flash-attn >= 2.1)."""
+    key, value = gather_shared_keys(key, value, shared_key_index)
+    return _FLASH_ATTENTION_2(module, query, key, value, attention_mask, **kwargs)
+
+
+if _FLASH_ATTENTION_2 is not None:
+    AttentionInterface.register("flash_attention_2", flash_attention_2_sharing)

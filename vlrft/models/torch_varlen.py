@@ -69,17 +69,3 @@ def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.
 
 
 AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
-
-_FLASH_ATTENTION_2 = AttentionInterface._global_mapping.get("flash_attention_2")
-
-
-def flash_attention_2_sharing(module, query, key, value, attention_mask, shared_key_index=None, **kwargs):
-    """transformers' flash_attention_2, with a shared-prompt micro-batch's keys gathered run by
-    run first: flash-attn's varlen kernel takes query and key runs of unequal lengths
-    (`cu_seq_lens_k`) and aligns its causal window at each run's end (flash-attn >= 2.1)."""
-    key, value = gather_shared_keys(key, value, shared_key_index)
-    return _FLASH_ATTENTION_2(module, query, key, value, attention_mask, **kwargs)
-
-
-if _FLASH_ATTENTION_2 is not None:
-    AttentionInterface.register("flash_attention_2", flash_attention_2_sharing)

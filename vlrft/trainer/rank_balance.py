@@ -11,8 +11,7 @@ the experience pass, whose group statistics (GRPO advantages) need each group on
 from __future__ import annotations
 
 from vlrft.distributed import all_gather_objects, rank, send_objects, world_size
-from vlrft.models.collate import rollout_of, sequence_length
-from vlrft.models.packing import prompt_groups
+from vlrft.models.packing import packed_length, prompt_groups
 
 
 def balance_moves(lengths: list[list[int]]) -> list[tuple[int, int, int]]:
@@ -44,14 +43,6 @@ def imbalance(loads: list[int]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def unit_length(samples: list) -> int:
-    """Tokens a run of samples of one prompt costs: each sample's prompt + response, or with
-    shared prompts (more than one sample) the prompt once plus every response."""
-    prompt = len(rollout_of(samples[0]).prompt.prompt_ids)
-    responses = sum(len(rollout_of(s).response_ids) for s in samples)
-    return prompt + responses if len(samples) > 1 else sequence_length(samples[0])
-
-
 def balance_across_ranks(samples: list, share_prompts: bool = False) -> tuple[list, dict[str, float]]:
     """This rank's samples after balancing (its kept samples in their order, then those it
     received, by source rank) and the imbalance before and after. With `share_prompts` a
@@ -60,7 +51,7 @@ def balance_across_ranks(samples: list, share_prompts: bool = False) -> tuple[li
     if world_size() == 1:
         return samples, {}
     units = [[samples[i] for i in group] for group in prompt_groups(samples, share_prompts)]
-    lengths = all_gather_objects([unit_length(unit) for unit in units])
+    lengths = all_gather_objects([packed_length(unit) for unit in units])
     moves = balance_moves(lengths)
     me = rank()
     leaving = {index for source, index, _ in moves if source == me}

@@ -27,6 +27,9 @@ KILL_WORKER = Path(__file__).with_name("kill_during_save_worker.py")
 # distinct_chars rewards (test_torchrun_training.RECIPE), but while the file `hold` exists and the killed run has saved
 # step 2, the call waits: the kill lands inside step 3 however fast the loop runs (a 4-step
 # run can otherwise finish between two polls for the checkpoint, and nothing resumes).
+# Likewise, while `hold_signal` exists and the run `run` has saved step 1's trajectories, the
+# call waits: a signal sent then lands inside step 2 (a step takes ~0.05 s, so without the
+# wait a loaded machine's poll can see step 1 only after the last step).
 HELD_RECIPE = """import time
 from pathlib import Path
 
@@ -34,6 +37,8 @@ from pathlib import Path
 def distinct_chars(completions, samples):
     here = Path(__file__).parent
     while (here / "hold").exists() and (here / "killed" / "checkpoints" / "step_000002").is_dir():
+        time.sleep(0.05)
+    while (here / "hold_signal").exists() and (here / "run" / "trajectories" / "step_000001.rank0.jsonl").is_file():
         time.sleep(0.05)
     return [len(set(c)) / 10 for c in completions]
 """
@@ -211,18 +216,20 @@ def test_sigterm_saves_a_checkpoint_and_stops(tiny_text, addition_data, tmp_path
     config = write_config(tmp_path, tiny_text, addition_data, "run",
                           checkpoint={"save_steps": 0, "keep_last": 2}, eval={"every_steps": 5, "max_prompts": 4},
                           data={"train_path": str(addition_data / "train.jsonl"), "eval_path": str(addition_data / "test.jsonl")})
+    (tmp_path / "hold_signal").touch()
     proc = launch(config, ranks=1)
     first_step = tmp_path / "run" / "trajectories" / "step_000001.rank0.jsonl"
     while not first_step.is_file():
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # step 2's reward call is waiting (HELD_RECIPE)
+    (tmp_path / "hold_signal").unlink()
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
     assert "stopped by signal SIGTERM after step" in out and "run the same command again to resume" in out
     (saved,) = (tmp_path / "run" / "checkpoints").iterdir()
     stopped_at = int(saved.name.split("_")[1])
-    assert 1 <= stopped_at < 5
+    assert stopped_at in (1, 2)  # the step it arrived in, or the next one
 
     out = finish(launch(config, ranks=1))
     assert f"at step {stopped_at}" in out

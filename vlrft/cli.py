@@ -89,7 +89,7 @@ def run_training(cfg) -> int:
         watch.fail(traceback.format_exc().rstrip(), f"rank {watch.rank} failed with {type(err).__name__} (its traceback is above)")
         return 1
     watch.stop()
-    if trainer.rank == 0:
+    if trainer.writes_output:
         if history:  # empty without data.eval_path
             curve = "  ".join(f"{step}:{acc:.2f}" for step, acc in history)
             print(f"held-out accuracy by step: {curve}", flush=True)

@@ -100,6 +100,9 @@ class RolloutConfig:
     # and KV cache; its name on the vLLM side is gpu_memory_utilization.
     vllm_memory_fraction: float = 0.5
     rollout_prompts: int = 16  # prompts per step, global over all ranks
+    # train.mode async: the last `ranks` ranks run engines and generate; the others train
+    # (docs/async.md). 0 with mode sync: every rank does both, one phase after the other.
+    ranks: int = 0
     n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -210,6 +213,13 @@ class TrainConfig:
     # stage >= 1) | all (parameters too, stage 3). Trades step time for GPU memory.
     offload: str = "none"
     seed: int = 0
+    # sync: every rank generates, then every rank trains. async: rollout.ranks ranks keep
+    # generating while the others train, on weights at most max_staleness updates old (docs/async.md).
+    mode: str = "sync"
+    max_staleness: int = 1
+    # async, one rollout rank, HF engine: a response in flight when the trainer sends new
+    # weights goes on under them (each token keeps the logprob of the weights that sampled it).
+    partial_rollouts: bool = False
     # Keep an EMA copy of the policy (ema <- beta ema + (1 - beta) policy) for evaluation and
     # export to final_ema/; 0 = off.
     ema_beta: float = 0.0

@@ -73,6 +73,42 @@ def _validate_multi_turn(rollout, unsafe_no_isolation: bool) -> None:
         raise ConfigError(f"config key 'rollout.environment_timeout_s' must be > 0, got {rollout.environment_timeout_s}")
 
 
+TRAIN_MODES = ("sync", "async")
+
+
+def _validate_mode(cfg: Config) -> None:
+    """train.mode and what asynchronous training supports so far (docs/async.md)."""
+    train = cfg.train
+    if train.mode not in TRAIN_MODES:
+        raise ConfigError(f"config key 'train.mode' is '{train.mode}'; valid: {', '.join(TRAIN_MODES)}")
+    if train.max_staleness < 0:
+        raise ConfigError(f"config key 'train.max_staleness' must be >= 0, got {train.max_staleness}")
+    if train.mode == "sync":
+        if cfg.rollout.ranks:
+            raise ConfigError("config key 'rollout.ranks' needs train.mode async (sync: every rank generates)")
+        if train.partial_rollouts:
+            raise ConfigError("config key 'train.partial_rollouts' needs train.mode async")
+        return
+    if train.partial_rollouts and (cfg.rollout.ranks != 1 or cfg.rollout.engine != "hf"):
+        # Several rollout ranks would take a version at different points of their collectives.
+        raise ConfigError("config key 'train.partial_rollouts' needs rollout.ranks 1 and rollout.engine hf (docs/async.md)")
+    if cfg.rollout.ranks < 1:
+        raise ConfigError("train.mode async needs rollout.ranks >= 1: the ranks that generate")
+    # (key, whether it is set to something async cannot do yet, the setting that works)
+    unsupported = [
+        ("checkpoint.save_steps", cfg.checkpoint.save_steps > 0, "0"),
+        ("checkpoint.resume", cfg.checkpoint.resume not in ("auto", "never"), "never"),
+        ("train.ema_beta", cfg.train.ema_beta > 0, "0"),
+        ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
+        # DeepSpeed's ZeRO-3 set-up waits on barriers of the whole world, rollout ranks included.
+        ("train.zero_stage", cfg.train.zero_stage == 3, "0, 1 or 2"),
+    ]
+    for key, used, works in unsupported:
+        if used:
+            raise ConfigError(f"train.mode async does not support config key '{key}' yet: set it to {works}, "
+                              "or use train.mode sync (docs/async.md)")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
     from vlrft.algo import ADVANTAGES, POLICY_LOSSES
@@ -117,6 +153,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.lr_schedule' is '{cfg.train.lr_schedule}'; valid: {', '.join(LR_SCHEDULES)}")
     if cfg.train.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'train.zero_stage' must be 0, 1, 2 or 3, got {cfg.train.zero_stage}")
+    _validate_mode(cfg)
     if cfg.train.offload not in OFFLOAD_CHOICES:
         raise ConfigError(f"config key 'train.offload' is '{cfg.train.offload}'; valid: {', '.join(OFFLOAD_CHOICES)}")
     if cfg.train.offload == "optimizer" and cfg.train.zero_stage == 0:
@@ -282,6 +319,17 @@ def _validate_algo(cfg: Config) -> None:
 
 def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> None:
     """Checks that need the launch's shape (at start, before models load)."""
+    if cfg.train.mode == "async":
+        rollout_ranks = cfg.rollout.ranks
+        if rollout_ranks >= world_size:
+            raise ConfigError(
+                f"config key 'rollout.ranks' ({rollout_ranks}) must leave ranks to train: the run has {world_size}"
+            )
+        if cfg.rollout.rollout_prompts % rollout_ranks:
+            raise ConfigError(
+                f"rollout.rollout_prompts ({cfg.rollout.rollout_prompts}) must be divisible by rollout.ranks ({rollout_ranks})"
+            )
+        return
     if cfg.rollout.rollout_prompts % world_size:
         raise ConfigError(
             f"rollout.rollout_prompts ({cfg.rollout.rollout_prompts}) must be divisible by the world size ({world_size})"

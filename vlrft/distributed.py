@@ -14,9 +14,10 @@ import atexit
 import ctypes
 import datetime
 import os
+import pickle
 import socket
 import sys
-from typing import NoReturn
+from typing import Iterable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -119,12 +120,52 @@ def exit_process(code: int = 0) -> NoReturn:
     ctypes.CDLL(None).exit(code)  # does not return
 
 
+# Asynchronous training splits the ranks into roles (rollout, trainer): from `take_role` on,
+# every helper here works within the rank's role group, so the phases' collectives (a rank
+# balance, a metric's all-reduce, DeepSpeed's gradients) run among the ranks of one role.
+# None = the whole world. Messages between the roles use the `*_to_rank` helpers below, which
+# name global ranks.
+_ROLE_GROUP = None
+_SELF_GROUP = None  # a group of this rank alone (DeepSpeed's model-parallel group under roles)
+
+
+def take_role(members: list[int], all_roles: list[list[int]]):
+    """Make the group of `members` (this rank's role) the default of every helper here.
+    `all_roles` lists every role's ranks: every rank creates every group, in the same order.
+    Returns the group."""
+    global _ROLE_GROUP, _SELF_GROUP
+    groups = new_groups(all_roles)
+    _SELF_GROUP = new_groups([[r] for r in range(dist.get_world_size())])[dist.get_rank()]
+    _ROLE_GROUP = groups[all_roles.index(members)]
+    return _ROLE_GROUP
+
+
+def role_group():
+    """The group this rank's helpers use (None: the whole world)."""
+    return _ROLE_GROUP
+
+
+def self_group():
+    """A group of this rank alone, once roles are taken."""
+    return _SELF_GROUP
+
+
 def rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    """This rank's index in `group` (default: its role group, else the world)."""
+    return dist.get_rank(group or _ROLE_GROUP) if dist.is_initialized() else 0
 
 
 def world_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    """Ranks in `group` (default: this rank's role group, else the world)."""
+    return dist.get_world_size(group or _ROLE_GROUP) if dist.is_initialized() else 1
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def local_world_size() -> int:
@@ -141,14 +182,14 @@ def all_reduce_sum(values: torch.Tensor, out_device: torch.device | str | None =
     """Sum over ranks, as float32, on `out_device` (default: where `values` is)."""
     out = values.detach().to(comm_device(), dtype=torch.float32, copy=True)
     if world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_ROLE_GROUP)
     return out.to(out_device if out_device is not None else values.device)
 
 
 def all_reduce_max_int(value: int) -> int:
     t = torch.tensor([value], dtype=torch.long, device=comm_device())
     if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_ROLE_GROUP)
     return int(t.item())
 
 
@@ -159,12 +200,12 @@ def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
         return values
     comm = comm_device()
     sizes = [torch.zeros(1, dtype=torch.long, device=comm) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([values.numel()], device=comm))
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=comm), group=_ROLE_GROUP)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=values.dtype, device=comm)
     padded[: values.numel()] = values.detach().to(comm)
     parts = [torch.zeros(longest, dtype=values.dtype, device=comm) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=_ROLE_GROUP)
     return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)]).to(values.device)
 
 
@@ -173,7 +214,7 @@ def all_gather_objects(obj, group=None) -> list:
     if world_size(group) == 1:
         return [obj]
     gathered: list = [None] * world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
+    dist.all_gather_object(gathered, obj, group=group or _ROLE_GROUP)
     return gathered
 
 
@@ -182,7 +223,7 @@ def gather_objects_to_rank0(obj) -> list | None:
     if world_size() == 1:
         return [obj]
     gathered = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    dist.gather_object(obj, gathered, dst=_to_global(0), group=_ROLE_GROUP)
     return gathered
 
 
@@ -196,10 +237,10 @@ def send_objects(transfers: list[tuple[int, int, list]]) -> list:
     received: list = []
     for source, destination, objects in transfers:
         if me == source:
-            dist.send_object_list([objects], dst=destination)
+            dist.send_object_list([objects], dst=_to_global(destination))
         elif me == destination:
             box = [None]
-            dist.recv_object_list(box, src=source)
+            dist.recv_object_list(box, src=_to_global(source))
             received += box[0]
     return received
 
@@ -209,15 +250,113 @@ def broadcast_from_rank0(obj):
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=_to_global(0), group=_ROLE_GROUP)
     return box[0]
 
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_ROLE_GROUP)
+
+
+def _to_global(role_rank: int) -> int:
+    """The global rank of rank `role_rank` of this rank's role group."""
+    return dist.get_global_rank(_ROLE_GROUP, role_rank) if _ROLE_GROUP is not None else role_rank
 
 
 def new_groups(rank_lists: list[list[int]]) -> list:
     """A process group per rank list; every rank must create every group, in the same order."""
     return [dist.new_group(ranks) for ranks in rank_lists]
+
+
+class PendingSend:
+    """An object on its way to another rank; `wait()` before its buffers may go."""
+
+    def __init__(self, works: list, buffers: list[torch.Tensor]):
+        self.works, self.buffers = works, buffers
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
+def isend_object_to(destination: int, obj) -> PendingSend:
+    """Send picklable `obj` to global rank `destination` without waiting for it to arrive
+    (messages between the roles of asynchronous training; CPU tensors, so gloo carries them)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    return PendingSend([dist.isend(size, destination), dist.isend(data, destination)], [size, data])
+
+
+def recv_object_from(source: int):
+    """The next object global rank `source` sent here with `isend_object_to` (waits for it)."""
+    size = torch.zeros(1, dtype=torch.long)
+    dist.recv(size, source)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, source)
+    return pickle.loads(data.numpy().tobytes())
+
+
+WEIGHTS_HEADER = "vlrft-weights"  # the first object of every weights broadcast
+
+
+def _broadcast_object(obj, source: int, group):
+    box = [obj]
+    dist.broadcast_object_list(box, src=source, group=group)
+    return box[0]
+
+
+def broadcast_weights(group, source: int, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Send weights `version` from global rank `source` (this one) to the other ranks of
+    `group`: a header, then each tensor after its name, shape and dtype, then an end mark. One
+    tensor in flight at a time: a ZeRO-3 gather yields one full parameter after another."""
+    _broadcast_object((WEIGHTS_HEADER, version), source, group)
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to(comm_device()).contiguous()
+        _broadcast_object((name, tuple(tensor.shape), tensor.dtype), source, group)
+        dist.broadcast(tensor, src=source, group=group)
+    _broadcast_object(None, source, group)
+
+
+def received_weights(group, source: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the weights broadcast in progress (after its header), as they arrive."""
+    while (meta := _broadcast_object(None, source, group)) is not None:
+        name, shape, dtype = meta
+        tensor = torch.empty(shape, dtype=dtype, device=comm_device())
+        dist.broadcast(tensor, src=source, group=group)
+        yield name, tensor
+
+
+class VersionBoard:
+    """The newest weights version trainer rank 0 has announced, on the job's key-value store: a
+    rollout rank reads it between two decoding steps without joining a collective (partial
+    rollouts), then takes the broadcast that follows the announcement."""
+
+    KEY = "vlrft/async/weights_version"
+
+    def __init__(self):
+        self.store = watch_store(PROCESS_GROUP_TIMEOUT.total_seconds())
+
+    def announce(self) -> int:
+        """One more version is about to be broadcast; returns its number."""
+        return self.store.add(self.KEY, 1)
+
+    def newest(self) -> int:
+        return self.store.add(self.KEY, 0)
+
+
+class WeightsError(VlrftError, RuntimeError):
+    """A weights broadcast that is not the one expected; one-line message."""
+
+
+def receive_weights(group, source: int, expected_version: int, engine) -> int:
+    """Receive the next weights broadcast (from global rank `source`) into `engine`'s
+    `update_weights`; it must be version `expected_version` (versions arrive in order, none
+    skipped). Returns the version."""
+    header = _broadcast_object(None, source, group)
+    if not (isinstance(header, tuple) and header[0] == WEIGHTS_HEADER and header[1] == expected_version):
+        raise WeightsError(f"rank {dist.get_rank()} expected weights version {expected_version} from rank {source}, got {header!r}")
+    engine.update_weights(received_weights(group, source))
+    return expected_version
+

@@ -32,6 +32,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.models.lora import add_lora
     from vlrft.distributed import all_reduce_max_int, init_distributed
     from vlrft.trainer.rank_balance import balance_across_ranks
+    from vlrft.trainer.build import update_settings
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
@@ -93,7 +94,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             keys = [{s.rollout.prompt.index for s in b.samples} for b in batches]
             split = any(a & b for i, a in enumerate(keys) for b in keys[i + 1:])
             assert all_reduce_max_int(any(b.shares_prompts() for b in batches)) and all_reduce_max_int(split)
-        policy_update(backend, buffer, cfg, world_size, kl_coef=cfg.algo.kl.coef)
+        policy_update(backend, buffer, update_settings(cfg), kl_coef=cfg.algo.kl.coef)
     if rank == 0:
         torch.save(grads, out_file)
 

@@ -17,6 +17,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import load_model
     from vlrft.distributed import init_distributed
+    from vlrft.trainer.build import update_settings
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
@@ -41,7 +42,7 @@ def main(model_dir: str, train_path: str, out_file: str) -> None:
     buffer = ReplayBuffer(1, seed=0)
     # One mini-batch in a fixed order: micro-batch 0 is bad on rank 1.
     buffer.mini_batches = lambda count, shuffle: [[pack([e]) for e in experiences]]
-    metrics = policy_update(backend, buffer, cfg, world_size, image_check=check)
+    metrics = policy_update(backend, buffer, update_settings(cfg), image_check=check)
     moved = any(not torch.equal(a, p) for a, p in zip(before, backend.module.parameters()))
     if rank == 0:
         with open(out_file, "w") as f:

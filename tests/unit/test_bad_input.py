@@ -250,6 +250,7 @@ def test_nonfinite_loss_skips_the_step_and_leaves_parameters_and_adam_state(
     from vlrft.backends.deepspeed_backend import DeepSpeedBackend
     from vlrft.data.dataset import load_rows
     from vlrft.models.loader import load_model
+    from vlrft.trainer.build import update_settings
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
@@ -271,10 +272,10 @@ def test_nonfinite_loss_skips_the_step_and_leaves_parameters_and_adam_state(
         return DeepSpeedBackend(load_model(tiny_text), lr=1e-2, weight_decay=0.1, grad_clip=1.0, zero_stage=zero_stage)
 
     skipped = backend()
-    policy_update(skipped, FixedBuffer(experiences()), cfg, 1)  # AdamW state exists from here on
+    policy_update(skipped, FixedBuffer(experiences()), update_settings(cfg))  # AdamW state exists from here on
     before = update_backend_and_state(skipped)
     assert before[1], "no AdamW state to compare"
-    metrics = policy_update(skipped, FixedBuffer(experiences(nan_in_second=True)), cfg, 1)
+    metrics = policy_update(skipped, FixedBuffer(experiences(nan_in_second=True)), update_settings(cfg))
     assert metrics["train/skipped_nonfinite_steps"] == 1 and "train/loss" not in metrics
     after = update_backend_and_state(skipped)
     assert_identical(after[0], before[0])
@@ -282,10 +283,10 @@ def test_nonfinite_loss_skips_the_step_and_leaves_parameters_and_adam_state(
     assert "vlrft: skipped a policy optimizer step: non-finite loss in 1 micro-batch(es) on rank 0; " in capsys.readouterr().out
     # The next step trains as if the skipped one never happened: no gradient, optimizer step
     # count or lr-schedule step leaked from it.
-    assert policy_update(skipped, FixedBuffer(experiences()), cfg, 1)["train/skipped_nonfinite_steps"] == 0
+    assert policy_update(skipped, FixedBuffer(experiences()), update_settings(cfg))["train/skipped_nonfinite_steps"] == 0
     clean = backend()
     for _ in range(2):
-        policy_update(clean, FixedBuffer(experiences()), cfg, 1)
+        policy_update(clean, FixedBuffer(experiences()), update_settings(cfg))
     mine, reference = update_backend_and_state(skipped), update_backend_and_state(clean)
     assert_identical(mine[0], reference[0])
     assert_identical(mine[1], reference[1])
@@ -361,6 +362,7 @@ def test_empty_completions_go_through_rewards_experience_pass_and_update(files, 
     from vlrft.experience.maker import completion_fields
     from vlrft.experience.replay_buffer import ReplayBuffer
     from vlrft.models.loader import stop_token_ids
+    from vlrft.trainer.build import update_settings
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
@@ -389,7 +391,7 @@ def test_empty_completions_go_through_rewards_experience_pass_and_update(files, 
     for mode in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]:
         for loss in ["ppo", "gspo"]:
             trainer.cfg.algo.loss_agg_mode, trainer.cfg.algo.policy_loss = mode, loss
-            metrics = policy_update(trainer.backend, buffer, trainer.cfg, 1, 0.1, trainer.reference)
+            metrics = policy_update(trainer.backend, buffer, update_settings(trainer.cfg), 0.1, trainer.reference)
             assert metrics["train/skipped_nonfinite_steps"] == 0, (mode, loss)
             assert all(np.isfinite(v) for v in metrics.values()), (mode, loss, metrics)
     assert torch.isfinite(flat(trainer.backend.module)).all()

@@ -142,3 +142,37 @@ def test_kl_estimator_auto_depends_on_placement(tmp_path):
     assert kl_estimator_name(load_config(write(tmp_path, BASE)).algo.kl) == "k3"
     assert kl_estimator_name(load_config(write(tmp_path, BASE), ["algo.kl.placement=reward"]).algo.kl) == "k1"
     assert kl_estimator_name(load_config(write(tmp_path, BASE), ["algo.kl.estimator=full"]).algo.kl) == "full"
+
+
+def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
+    with pytest.raises(ConfigError, match="train.mode' is 'overlap'; valid: sync, async"):
+        load_config(write(tmp_path, BASE), ["train.mode=overlap"])
+    with pytest.raises(ConfigError, match="async needs rollout.ranks >= 1"):
+        load_config(write(tmp_path, BASE), ["train.mode=async", "checkpoint.save_steps=0"])
+    with pytest.raises(ConfigError, match="'rollout.ranks' needs train.mode async"):
+        load_config(write(tmp_path, BASE), ["rollout.ranks=1"])
+    with pytest.raises(ConfigError, match="'train.max_staleness' must be >= 0"):
+        load_config(write(tmp_path, BASE), ["train.max_staleness=-1"])
+    cfg = load_config(write(tmp_path, BASE), ["train.mode=async", "rollout.ranks=2", "checkpoint.save_steps=0",
+                                              "rollout.rollout_prompts=6"])
+    check_world_size(cfg, 3)  # 2 generate, 1 trains; 6 prompts split over the 2 that generate
+    with pytest.raises(ConfigError, match="'rollout.ranks' \\(2\\) must leave ranks to train: the run has 2"):
+        check_world_size(cfg, 2)
+    cfg = load_config(write(tmp_path, BASE), ["train.mode=async", "rollout.ranks=4", "checkpoint.save_steps=0",
+                                              "rollout.rollout_prompts=6"])
+    with pytest.raises(ConfigError, match="divisible by rollout.ranks \\(4\\)"):
+        check_world_size(cfg, 5)
+
+
+@pytest.mark.parametrize("override, works", [
+    ("checkpoint.save_steps=10", "0"),
+    ("train.zero_stage=3", "0, 1 or 2"),
+    ("train.ema_beta=0.9", "0"),
+    ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),
+])
+def test_async_mode_refuses_what_it_cannot_do_yet_by_key(override, works, tmp_path):
+    base = ["train.mode=async", "rollout.ranks=1", "checkpoint.save_steps=0"]
+    load_config(write(tmp_path, BASE), base)
+    key = override.split()[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=f"does not support config key '{key}' yet: set it to {works}"):
+        load_config(write(tmp_path, BASE), base + override.split())

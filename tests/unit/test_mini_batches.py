@@ -5,6 +5,7 @@ import torch
 
 from tests.unit.test_logprob_consistency import build_trainer
 from vlrft.models.packing import prompt_groups
+from vlrft.trainer.build import update_settings
 from vlrft.trainer.update import policy_update
 
 
@@ -25,7 +26,7 @@ def scored_experiences(trainer):
 def update(trainer, experiences) -> dict:
     trainer.buffer.clear()
     trainer.buffer.add(experiences)
-    return policy_update(trainer.backend, trainer.buffer, trainer.cfg, 1, trainer.kl_controller.coef, trainer.reference)
+    return policy_update(trainer.backend, trainer.buffer, update_settings(trainer.cfg), trainer.kl_controller.coef, trainer.reference)
 
 
 def parameters(trainer) -> torch.Tensor:

@@ -13,6 +13,7 @@ from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
 from vlrft.multiturn.environment import resolve_environment
 from vlrft.trainer.critic_update import critic_update
+from vlrft.trainer.build import update_settings
 from vlrft.trainer.update import policy_update
 
 NUDGE = '''
@@ -162,8 +163,8 @@ def gradients(trainer, experiences):
     trainer.buffer.clear()
     trainer.buffer.add(experiences)
     cfg = trainer.cfg
-    policy = record_gradients(trainer.backend, lambda: policy_update(trainer.backend, trainer.buffer, cfg, 1, 0.1, trainer.reference))
-    critic = record_gradients(trainer.critic, lambda: critic_update(trainer.critic, trainer.buffer, cfg, 1))
+    policy = record_gradients(trainer.backend, lambda: policy_update(trainer.backend, trainer.buffer, update_settings(cfg), 0.1, trainer.reference))
+    critic = record_gradients(trainer.critic, lambda: critic_update(trainer.critic, trainer.buffer, update_settings(cfg)))
     return policy, critic
 
 

@@ -11,7 +11,7 @@ import torch
 from tests.unit.test_logprob_consistency import build_trainer
 from tests.unit.test_mini_batches import scored_prompts
 from vlrft.config import Config
-from vlrft.trainer.build import old_logprobs_from_update
+from vlrft.trainer.build import old_logprobs_from_update, update_settings
 from vlrft.trainer.update import policy_update
 
 
@@ -28,7 +28,7 @@ def finish_and_update(trainer, experiences, policy_pass: bool):
     experiences, made = trainer.maker.finish(experiences)
     trainer.buffer.clear()
     trainer.buffer.add(experiences)
-    update = policy_update(trainer.backend, trainer.buffer, trainer.cfg, 1, trainer.kl_controller.coef,
+    update = policy_update(trainer.backend, trainer.buffer, update_settings(trainer.cfg), trainer.kl_controller.coef,
                            trainer.reference, old_from_update=not policy_pass)
     return experiences, made, update
 

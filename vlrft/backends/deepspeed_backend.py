@@ -25,7 +25,7 @@ import deepspeed  # noqa: E402  (after the environment above)
 from deepspeed.runtime import compiler as deepspeed_compiler  # noqa: E402
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
-from vlrft.distributed import barrier, rank  # noqa: E402
+from vlrft.distributed import barrier, rank, role_group, self_group, world_size  # noqa: E402
 
 
 def _import_deepspeed_muon_uncompiled() -> None:
@@ -64,6 +64,32 @@ def size_buckets(sizes: list[int], limit: int) -> list[list[int]]:
     return buckets
 
 
+class RoleParallelism:
+    """DeepSpeed's model-parallel interface (`mpu`) for data parallelism over one role's ranks
+    and no model parallelism: asynchronous training hands it the trainer ranks' group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_rank(self) -> int:
+        return rank(self.group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return world_size(self.group)
+
+    def get_model_parallel_group(self):
+        return self_group()  # no model parallelism: DeepSpeed's reductions over it are no-ops
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
 class DeepSpeedBackend:
     def __init__(
         self,
@@ -99,8 +125,10 @@ class DeepSpeedBackend:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
             optimizer = None
             scheduler = schedule
+        group = role_group()  # async training: the trainer ranks are DeepSpeed's data-parallel world
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+            mpu=RoleParallelism(group) if group is not None else None,
         )
         self.zero_stage = zero_stage
 

@@ -9,7 +9,8 @@ every row until the longest response ends, which on length-skewed batches is mos
 from __future__ import annotations
 
 import inspect
-from typing import Iterable
+from dataclasses import replace
+from typing import Callable, Iterable
 
 import torch
 from transformers import TopPLogitsWarper
@@ -54,6 +55,9 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         self.max_batch = max_batch  # sequences per decoding batch (bounds memory)
         self.rope_index = getattr(self.model.model, "get_rope_index", None)  # Qwen-VL's M-RoPE ids
+        # Partial rollouts: called after each decoding step; True when it loaded new weights
+        # (by `update_weights`), and the responses in flight go on under them. None: never.
+        self.new_weights: Callable[[], bool] | None = None
         self.cache_name = kv_cache_name(self.model)
 
     @torch.no_grad()
@@ -92,9 +96,10 @@ class HFEngine:
             tokens = torch.multinomial(logprobs.exp(), 1).squeeze(1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
 
-    def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
-        # Each distinct prompt (and its images) is prefilled once; its cache rows are then
-        # repeated for its responses (`generate` passes each prompt n times in a row).
+    def _prefill(self, prompts: list[Prompt]):
+        """Run the prompts through the model, each distinct one (and its images) once; its cache
+        rows are then repeated for its responses (`generate` passes each prompt n times in a
+        row). Returns (cache, last logits [B, V], attention mask [B, P], next positions)."""
         distinct = list({id(p): p for p in prompts}.values())
         row_of = {id(p): row for row, p in enumerate(distinct)}
         width = max(len(p.prompt_ids) for p in distinct)
@@ -106,24 +111,28 @@ class HFEngine:
         positions = self._prompt_positions(distinct, attention_mask)
         mm = concat_mm_inputs([p.mm_inputs for p in distinct]) | mm_token_type_ids([p.mm_token_types for p in distinct], width, left_pad=True)
         here = self.model.device
-        tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
-        logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token
-        stop_ids = torch.tensor(self.stop_ids, device=here)
-        running = torch.arange(len(prompts), device=here)  # rows of the batch still decoding
         expand = torch.tensor([row_of[id(p)] for p in prompts], device=here)  # [B] each response's prompt row
         # Responses continue from the prompt's largest position id (on all three M-RoPE axes).
         start = positions.amax(dim=(0, 2) if positions.dim() == 3 else -1, keepdim=True)  # [U, 1] / [1, U, 1]
         next_position = ((start.expand(3, -1, -1) if positions.dim() == 3 else start).to(here) + 1)[..., expand, :]
         attention_mask = attention_mask.to(here)
+        out = self.model(
+            input_ids=input_ids.to(here), attention_mask=attention_mask, position_ids=positions.to(here),
+            use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
+        )
+        cache = getattr(out, self.cache_name)
+        if len(distinct) < len(prompts):
+            cache.batch_select_indices(expand)
+        return cache, out.logits[expand, -1], attention_mask[expand], next_position
+
+    def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        here = self.model.device
+        tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
+        logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token
+        stop_ids = torch.tensor(self.stop_ids, device=here)
+        running = torch.arange(len(prompts), device=here)  # rows of the batch still decoding
         with decoder_autocast(self.model):
-            out = self.model(
-                input_ids=input_ids.to(here), attention_mask=attention_mask, position_ids=positions.to(here),
-                use_cache=True, logits_to_keep=1, **{k: v.to(here) for k, v in mm.items()},
-            )
-            cache = getattr(out, self.cache_name)
-            if len(distinct) < len(prompts):
-                cache.batch_select_indices(expand)
-            logits, attention_mask = out.logits[expand, -1], attention_mask[expand]  # [B, V], [B, P]
+            cache, logits, attention_mask, next_position = self._prefill(prompts)  # [B, V], [B, P]
             for step in range(params.max_new_tokens):
                 token, logprob = self._sample(logits, params)
                 tokens[running, step], logprobs[running, step] = token, logprob
@@ -134,6 +143,13 @@ class HFEngine:
                     keep = going.nonzero().squeeze(1)
                     cache.batch_select_indices(keep)
                     running, token, attention_mask, next_position = running[keep], token[keep], attention_mask[keep], next_position[..., keep, :]
+                if self.new_weights is not None and self.new_weights():
+                    # Partial rollouts: the weights changed mid-response. Each running response
+                    # goes on under the new weights from a fresh prefill of its prompt and its
+                    # tokens so far (the cache held the old weights' keys and values).
+                    sofar = [continued(prompts[row], tokens[row, : step + 1].tolist()) for row in running.tolist()]
+                    cache, logits, attention_mask, next_position = self._prefill(sofar)
+                    continue
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(running), 1))], dim=1)
                 out = self.model(
                     input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
@@ -165,3 +181,11 @@ class HFEngine:
 
     def wake(self) -> None:
         pass
+
+
+def continued(prompt: Prompt, response_ids: list[int]) -> Prompt:
+    """`prompt` followed by a response's first tokens, as one prompt to prefill (text tokens:
+    their modality ids are 0 and their M-RoPE positions continue the prompt's)."""
+    types = prompt.mm_token_types + [0] * len(response_ids) if prompt.mm_token_types else []
+    return replace(prompt, prompt_ids=prompt.prompt_ids + response_ids, mm_token_types=types)
+

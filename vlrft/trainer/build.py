@@ -14,6 +14,8 @@ from vlrft.engines import SamplingParams
 from vlrft.models.loader import load_model
 from vlrft.errors import ConfigError
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
+from vlrft.algo.losses import LossSettings
+from vlrft.trainer.update import UpdateSettings
 from vlrft.multiturn.environment import EnvironmentFailure
 from vlrft.multiturn.host import EnvironmentHost
 from vlrft.multiturn.rollout import MultiTurn
@@ -100,14 +102,40 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None,
         kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
         mask_truncated=cfg.algo.mask_truncated,
         image_check=image_check,
-        correction=CorrectionSettings(
-            cfg.algo.rollout_correction,
-            cfg.algo.rollout_correction_cap,
-            cfg.algo.rollout_correction_low,
-            cfg.algo.rollout_correction_high,
-        ),
+        correction=correction_settings(cfg.algo),
         policy_pass=not old_logprobs_from_update(cfg),
         multi_turn=multi_turn,
+    )
+
+
+def correction_settings(algo) -> CorrectionSettings:
+    """The rollout-correction weights' settings from the `algo` config section."""
+    return CorrectionSettings(algo.rollout_correction, algo.rollout_correction_cap, algo.rollout_correction_low,
+                              algo.rollout_correction_high)
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+    """What the policy and critic updates read of the config."""
+    algo, train = cfg.algo, cfg.train
+    return UpdateSettings(
+        epochs=train.ppo_epochs,
+        mini_batches=train.mini_batches,
+        micro_batch_tokens=train.micro_batch_tokens,
+        temperature=cfg.rollout.temperature,
+        max_response_tokens=cfg.rollout.max_response_tokens(),
+        policy_loss=algo.policy_loss,
+        loss=LossSettings(algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c, algo.sapo_tau_pos, algo.sapo_tau_neg),
+        loss_agg_mode=algo.loss_agg_mode,
+        kl_in_loss=algo.kl.placement == "loss",
+        kl_estimator=kl_estimator_name(algo.kl),
+        entropy_coef=algo.entropy_coef,
+        high_entropy_token_ratio=algo.high_entropy_token_ratio,
+        moe_aux_coef=algo.moe_aux_coef,
+        ptx_coef=algo.ptx_coef,
+        early_stop_ratio=algo.early_stop_ratio,
+        target_kl=algo.target_kl,
+        correction=correction_settings(algo),
+        value_clip=cfg.critic.value_clip,
     )
 
 

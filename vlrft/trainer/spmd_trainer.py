@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
 from vlrft.algo.value import ReturnStats
@@ -53,6 +54,7 @@ from vlrft.trainer.build import (
     multi_turn,
     reward_shaper,
     training_backend,
+    update_settings,
 )
 from vlrft.trainer import checkpoint_io
 from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
@@ -64,7 +66,10 @@ from vlrft.distributed import (
     barrier,
     init_distributed,
     local_world_size,
+    rank,
+    world_size,
 )
+from vlrft.trainer.async_roles import WEIGHTS_SOURCE, RolloutRanks, run_role, take_async_role
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.guards import RunGuards
 from vlrft.trainer.rank_balance import balance_across_ranks
@@ -105,6 +110,18 @@ class SPMDTrainer:
         resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank, to_dict(cfg), self.world_size)
         if resume_from is not None and self.rank == 0:  # validated: the abandoned future may go
             discard_after(self.out_dir, start_step)
+        # Asynchronous training: this rank generates or trains, and from here on its rank and
+        # world are those of its role (trainer/async_roles.py).
+        self.role, self.weights_group = "both", None
+        if cfg.train.mode == "async":
+            if resume_from is not None:
+                raise ConfigError(f"train.mode async cannot resume a run yet; {self.out_dir} has a checkpoint (docs/async.md)")
+            self.role, self.weights_group = take_async_role(cfg.rollout.ranks)
+            self.rank, self.world_size = rank(), world_size()
+            torch.manual_seed(cfg.train.seed + self.rank)  # a role's rank k samples as a sync run's rank k
+        generates, trains = self.role != "trainer", self.role != "rollout"
+        # One rank writes the run's files: the first rank that trains.
+        self.writes_output = self.rank == 0 and trains
 
         self.encoder = PromptEncoder.for_config(cfg)
         tokenizer = self.encoder.tokenizer
@@ -114,10 +131,10 @@ class SPMDTrainer:
         self.train_rows = self.bad_input.load(cfg.data.train_path)
         eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
         self.eval_sources = sorted({row["data_source"] for row in eval_rows})
-        mine = [(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank]
+        mine = [(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank and generates]
         self.eval_prompts = self.bad_input.encode_at_start(self.encoder, mine)
         self.ptx = None
-        if cfg.data.ptx_path:
+        if cfg.data.ptx_path and trains:
             self.ptx = PtxStream(
                 cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0],
                 self.bad_input,
@@ -127,12 +144,77 @@ class SPMDTrainer:
         precision = (attention, cfg.model.compute_dtype)
         if self.rank == 0:
             print(f"vlrft: attention {attention}, decoder compute {cfg.model.compute_dtype} (model.attention, model.compute_dtype)")
+        self.lora_scalings: dict[str, float] = {}  # adapted linear -> alpha / rank; empty = full fine-tuning
+        self.frozen_vision_parameters = 0
+        self.backend = self.critic = self.reference = None
+        if trains:
+            self._build_models(precision)
+        else:  # the engine holds the rollout ranks' only copy of the policy
+            self.image_check = ImageTokenCheck.for_model(AutoConfig.from_pretrained(cfg.model.path))
+        # Last of the models: vLLM starts only if its share of the GPU is still free. It reseeds
+        # every generator as it starts (seed + TP group): this rank keeps its own streams.
+        streams = rng_state()
+        self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer)) if generates else None
+        if self.role == "trainer":  # its "engine" is the rollout ranks, reached by broadcast
+            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0)
+        set_rng_state(streams)
+        self.kl_controller = kl_controller(cfg)
+        self.return_stats = None
+        if cfg.critic.value_norm != "none":
+            self.return_stats = ReturnStats(cfg.critic.value_norm, cfg.critic.value_norm_beta)
+        self.rewards = RewardMix(cfg.reward)
+        self.train_sources = sorted({row["data_source"] for row in self.train_rows})
+        self.maker = FastExperienceMaker(
+            engine=self.engine,
+            policy=lambda: self.backend.model,  # (rollout ranks never call these)
+            reference=self.reference,
+            rewards=self.rewards,
+            shape_rewards=reward_shaper(cfg),
+            # Environments run where trajectories are generated: not on an async run's trainers.
+            settings=maker_settings(cfg, self.kl_controller, self.image_check,
+                                    multi_turn(cfg, self.encoder, stop_ids) if generates else None),
+            critic=(lambda: self.critic.model) if self.critic is not None else None,
+            return_stats=self.return_stats,
+        )
+        self.update_settings = update_settings(cfg)
+        # The weight-sync probe needs the engine beside the policy: off on the roles of async training.
+        checked_engine = self.engine if self.role == "both" else None
+        self.guards = RunGuards(cfg.guards, checked_engine, cfg.rollout.engine, self.rewards.component_names(), self.rank)
+        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
+        self.policy_ema = None
+        if cfg.train.ema_beta > 0:
+            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
+        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank, share_prompts=cfg.train.share_prompts)
+        self.sampler = PromptSampler(
+            len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
+        )
+        sinks = []
+        if self.writes_output:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            sinks = [ConsoleSink(cfg.train.total_steps, start_step), JsonlSink(self.out_dir / "metrics.jsonl")]
+            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg), start_step)
+        self.logger = MetricsLogger(sinks)
+        self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
+        self.eval_history: list[tuple[int, float]] = []
+        self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
+        # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops.
+        # (Async training cannot checkpoint yet: there a signal ends the process.)
+        self.stop_signal: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if self.role == "both":
+                signal.signal(signum, self._request_stop)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+
+    def _build_models(self, precision: tuple[str, str]) -> None:
+        """The policy under DeepSpeed, its critic and reference (every rank that trains)."""
+        cfg = self.cfg
         policy = load_model(cfg.model.path, *precision)
         if cfg.algo.moe_aux_coef > 0 and not hasattr(policy.config.get_text_config(), "output_router_logits"):
             raise ConfigError(
                 f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
             )
-        self.lora_scalings: dict[str, float] = {}  # adapted linear -> alpha / rank; empty = full fine-tuning
         if cfg.model.lora.rank > 0:
             lora = cfg.model.lora
             try:
@@ -144,7 +226,6 @@ class SPMDTrainer:
             enable_gradient_checkpointing(policy)
             if critic is not None:
                 enable_gradient_checkpointing(critic.backbone)
-        self.frozen_vision_parameters = 0
         if cfg.model.freeze_vision:
             if vision_tower(policy) is None:
                 raise ConfigError(f"config key 'model.freeze_vision': {cfg.model.path} has no vision tower")
@@ -161,63 +242,18 @@ class SPMDTrainer:
         groups = optimizer_groups(policy, cfg.train.lr, cfg.model.lora.lr_ratio) if self.lora_scalings else None
         self.backend = training_backend(cfg, policy, cfg.train.lr, groups)
         self.critic = training_backend(cfg, critic, cfg.critic.lr) if critic is not None else None
-        self.reference = None
         if cfg.algo.kl.coef > 0:
             # A LoRA policy's reference is its own base weights (adapters off): no second copy.
             self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
-        # Last of the models: vLLM starts only if its share of the GPU is still free. It reseeds
-        # every generator as it starts (seed + TP group): this rank keeps its own streams.
-        streams = rng_state()
-        self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer))
-        set_rng_state(streams)
-        self.kl_controller = kl_controller(cfg)
-        self.return_stats = None
-        if cfg.critic.value_norm != "none":
-            self.return_stats = ReturnStats(cfg.critic.value_norm, cfg.critic.value_norm_beta)
-        self.rewards = RewardMix(cfg.reward)
-        self.train_sources = sorted({row["data_source"] for row in self.train_rows})
-        self.maker = FastExperienceMaker(
-            engine=self.engine,
-            policy=lambda: self.backend.model,
-            reference=self.reference,
-            rewards=self.rewards,
-            shape_rewards=reward_shaper(cfg),
-            settings=maker_settings(cfg, self.kl_controller, self.image_check, multi_turn(cfg, self.encoder, stop_ids)),
-            critic=(lambda: self.critic.model) if self.critic is not None else None,
-            return_stats=self.return_stats,
-        )
-        self.guards = RunGuards(cfg.guards, self.engine, cfg.rollout.engine, self.rewards.component_names(), self.rank)
-        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
-        self.policy_ema = None
-        if cfg.train.ema_beta > 0:
-            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
-        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank, share_prompts=cfg.train.share_prompts)
-        self.sampler = PromptSampler(
-            len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
-        )
-        sinks = []
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            sinks = [ConsoleSink(cfg.train.total_steps, start_step), JsonlSink(self.out_dir / "metrics.jsonl")]
-            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg), start_step)
-        self.logger = MetricsLogger(sinks)
-        self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
-        self.eval_history: list[tuple[int, float]] = []
-        self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
-        # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops.
-        self.stop_signal: int | None = None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._request_stop)
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg
+        if self.role != "both":
+            return run_role(self)
         if self.global_step == 0:  # a resumed run evaluated its start already
             self._maybe_evaluate(0)
         while self.global_step < cfg.train.total_steps:
-            metrics = self.train_step()  # advances self.global_step
+            metrics = self.train_step()
             step = self.global_step
             self.logger.log(step, metrics)
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
@@ -228,6 +264,12 @@ class SPMDTrainer:
             if stop:
                 self.logger.close()
                 raise TrainingStopped(step, saved, self.stop_signal or signal.SIGTERM)
+        self.export_final()
+        return self.eval_history
+
+    def export_final(self) -> None:
+        """The trained policy (and its EMA, critic, tokenizer, processor) as HF checkpoints under
+        output.dir/final*; closes the metric sinks (every rank that trains)."""
         self._export_policy(self.out_dir / "final")
         exported = [self.out_dir / "final"]
         if self.policy_ema is not None:
@@ -242,22 +284,12 @@ class SPMDTrainer:
                 if self.encoder.image_processor is not None:
                     self.encoder.image_processor.save_pretrained(out)
         self.logger.close()
-        return self.eval_history
 
     def train_step(self) -> dict[str, float]:
         """One RL step: sample, generate and score, update, sync the engine. Returns metrics."""
-        self.global_step += 1
-        start = time.perf_counter()
-        self.guards.start_step()  # the step's budget for reward and environment calls
-        cache_counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's prefix cache (every rank's engine)
-        cache_before = torch.tensor(cache_counts()) if cache_counts else None
-        kept, generated, metrics = self._collect_experiences()
-        if cache_counts:
-            hits, queries = all_reduce_sum(torch.tensor(cache_counts()) - cache_before).tolist()
-            metrics["rollout/prefix_cache_hit_rate"] = hits / max(queries, 1.0)
-        if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
-            metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
-        return self._learn(kept, generated, metrics, start)
+        start = self.begin_step()
+        kept, generated, metrics = self.collect_experiences()
+        return self.learn(kept, generated, metrics, start)
 
     def step(self, prompts: list[dict], responses: list[list], scores: list[list[float]]) -> dict[str, float]:
         """One RL step on responses generated and scored elsewhere (trainer/step_api.py)."""
@@ -267,44 +299,30 @@ class SPMDTrainer:
         """Each response's summed logprob under the current policy (trainer/step_api.py)."""
         return response_logprobs(self, prompts, responses)
 
-    def _learn(self, kept: list[Experience], generated: list[Experience], metrics: dict, start: float) -> dict[str, float]:
-        """The step after scoring: experience pass, balance, update, engine sync. Returns metrics."""
-        cfg = self.cfg
-        # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
-        placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
-        self.engine.sleep()  # generation is done: the experience pass and update get its memory
-        experiences, made_metrics = self.maker.finish(kept, placeholder)
+    # The phases of a step, public so the loop, the step API and other schedules compose them:
+    # begin_step, collect_experiences (generate and score), then learn = make_experiences
+    # (experience pass, rank balance, replay buffer), update (critic and policy) and sync (the
+    # engine gets the new weights).
+
+    def begin_step(self) -> float:
+        """Count a new step and open its budget for reward and environment calls. Returns its start time."""
+        self.global_step += 1
+        self.guards.start_step()
+        return time.perf_counter()
+
+    def learn(self, kept: list[Experience], generated: list[Experience], metrics: dict, start: float) -> dict[str, float]:
+        """The step after scoring: experience pass, balance, update, engine sync. `kept` are this
+        rank's scored experiences to learn from, `generated` all it scored (dynamic sampling
+        drops some), `metrics` the step's so far. Returns the step's metrics."""
+        experiences = self.make_experiences(kept, generated, metrics)
         made = time.perf_counter()
-        mark_correct(generated, self.rewards)
-        metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | made_metrics
-        experiences, balance_metrics = balance_across_ranks(experiences, cfg.train.share_prompts)  # from here on, this rank's share
-        metrics |= balance_metrics
-        self.buffer.clear()
-        self.buffer.add(experiences or [placeholder])
-        self._check_rewards_not_all_zero(generated)
-        if self.critic is not None:
-            metrics |= critic_update(self.critic, self.buffer, cfg, self.world_size, self.image_check)
-        actor_updates = self.global_step > cfg.critic.freeze_actor_steps
-        if actor_updates:
-            metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
-            ptx = self.ptx.next_examples() if self.ptx is not None else []
-            self.guards.before_update(self.backend.model, experiences or [placeholder])
-            with dropout_active(self.backend.module, cfg.model.lora.dropout > 0):
-                metrics |= policy_update(
-                    self.backend, self.buffer, cfg, self.world_size, self.kl_controller.coef, self.reference, ptx,
-                    self.image_check, old_from_update=not self.maker.settings.policy_pass,
-                )
+        actor_updated = self.update(experiences, metrics)
         updated = time.perf_counter()
-        if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
-            metrics |= self.maker.policy_metrics(experiences)[0]
         metrics |= trajectory_metrics(experiences) | self.guards.after_step(generated)
-        if self.saver.due(self.global_step, cfg.train.total_steps):
+        if self.saver.due(self.global_step, self.cfg.train.total_steps):
             self.saver.save(self.global_step, experiences, [e.correct for e in experiences])
-        self.engine.wake()
         synced = time.perf_counter()
-        if actor_updates:
-            self._sync_weights()
-            metrics |= self.guards.after_sync(self.backend.model, self.global_step)
+        self.sync(actor_updated, metrics)
         metrics["perf/update_seconds"] = updated - made
         metrics["perf/sync_seconds"] = time.perf_counter() - synced
         if self.reference is not None:
@@ -314,7 +332,66 @@ class SPMDTrainer:
         metrics["perf/step_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _collect_experiences(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
+    def make_experiences(self, kept: list[Experience], generated: list[Experience], metrics: dict) -> list[Experience]:
+        """The experience pass (logprobs, values, advantages) over `kept`, balanced across the
+        ranks and put in the replay buffer. Adds the rollout metrics to `metrics`; returns this
+        rank's share."""
+        # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
+        placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
+        self.engine.sleep()  # generation is done: the experience pass and update get its memory
+        experiences, made_metrics = self.maker.finish(kept, placeholder)
+        mark_correct(generated, self.rewards)
+        metrics |= rollout_metrics(generated, self.rewards, self.train_sources) | made_metrics
+        experiences, balance_metrics = balance_across_ranks(experiences, self.cfg.train.share_prompts)
+        metrics |= balance_metrics
+        self.buffer.clear()
+        self.buffer.add(experiences or [placeholder])
+        self._check_rewards_not_all_zero(generated)
+        return experiences
+
+    def update(self, experiences: list[Experience], metrics: dict) -> bool:
+        """The critic's and the policy's updates over the replay buffer (the policy's from step
+        `critic.freeze_actor_steps` + 1). Adds their metrics; returns whether the policy changed."""
+        cfg = self.cfg
+        if self.critic is not None:
+            metrics |= critic_update(self.critic, self.buffer, self.update_settings, self.image_check)
+        actor_updates = self.global_step > cfg.critic.freeze_actor_steps
+        if actor_updates:
+            metrics["train/lr"] = self.backend.lr  # the lr this step's update uses
+            ptx = self.ptx.next_examples() if self.ptx is not None else []
+            placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
+            self.guards.before_update(self.backend.model, experiences or [placeholder])
+            with dropout_active(self.backend.module, cfg.model.lora.dropout > 0):
+                metrics |= policy_update(
+                    self.backend, self.buffer, self.update_settings, self.kl_controller.coef, self.reference, ptx,
+                    self.image_check, old_from_update=not self.maker.settings.policy_pass,
+                )
+        if not self.maker.settings.policy_pass:  # the update's forward filled the old logprobs
+            metrics |= self.maker.policy_metrics(experiences)[0]
+        return actor_updates
+
+    def sync(self, actor_updated: bool, metrics: dict) -> None:
+        """Wake the engine and, when the policy changed, send it the new weights."""
+        self.engine.wake()
+        if actor_updated:
+            self._sync_weights()
+            metrics |= self.guards.after_sync(self.backend.model, self.global_step)
+
+    def collect_experiences(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
+        """This step's prompts, generated and scored: (kept, all generated, metrics)."""
+        cache_counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's prefix cache (every rank's engine)
+        cache_before = torch.tensor(cache_counts()) if cache_counts else None
+        start = time.perf_counter()
+        kept, generated, metrics = self._sample_groups()
+        metrics["perf/generate_seconds"] = time.perf_counter() - start  # generation and rewards
+        if cache_counts:
+            hits, queries = all_reduce_sum(torch.tensor(cache_counts()) - cache_before).tolist()
+            metrics["rollout/prefix_cache_hit_rate"] = hits / max(queries, 1.0)
+        if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
+            metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
+        return kept, generated, metrics
+
+    def _sample_groups(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
         """(kept, all generated, metrics). With dynamic sampling, groups whose rewards all equal
         are dropped and more prompts sampled until every rank has its share of groups or
         `max_sampling_rounds` rounds ran; the decision is all-reduced so ranks stay in step."""
@@ -407,11 +484,15 @@ class SPMDTrainer:
             return
         if self.policy_ema is not None:  # evaluate the EMA policy, then restore the live one
             self.engine.update_weights(self.policy_ema.items())
-        metrics = evaluate(self.engine, self.eval_prompts, self.rewards, self.maker.settings, self.eval_sources)
+        metrics = self.evaluate_engine()
         if self.policy_ema is not None:
             self.engine.update_weights(self.policy_weights())
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
+
+    def evaluate_engine(self) -> dict[str, float]:
+        """Held-out accuracy of the weights the engine serves (every rank that generates)."""
+        return evaluate(self.engine, self.eval_prompts, self.rewards, self.maker.settings, self.eval_sources)
 
     def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:
         # A dense-only mix scores through dense_reward: any non-zero token reward counts.

@@ -82,8 +82,8 @@ def train_on_responses(trainer, prompts: list[dict], responses: list[list], scor
     scored = scored_experiences(
         encoded, [responses[i] for i in kept], [scores[i] for i in kept], trainer.encoder.tokenizer, trainer.stop_ids
     )
-    trainer.global_step += 1  # only now: a step stopped by bad input does not count
-    return trainer._learn(scored, scored, {"data/skipped_prompts": float(skipped)}, start)
+    trainer.begin_step()  # only now: a step stopped by bad input does not count
+    return trainer.learn(scored, scored, {"data/skipped_prompts": float(skipped)}, start)
 
 @torch.no_grad()
 def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> list[list[float]]:

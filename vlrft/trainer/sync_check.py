@@ -102,7 +102,7 @@ class SyncCheck:
         self.before: torch.Tensor | None = None
 
     def before_update(self, model: torch.nn.Module, experiences: list[Experience]) -> None:
-        if self.limit <= 0:
+        if self.limit <= 0 or self.engine is None:  # None: no engine beside the policy (async roles)
             return
         self.probe = probe_rollout(experiences, getattr(self.engine, "scores_images", True))
         self.before = trainer_logprobs(model, self.probe)

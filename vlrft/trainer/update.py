@@ -3,6 +3,8 @@ optimizer steps, with micro-batch accumulation inside each step."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
@@ -12,7 +14,7 @@ from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
-from vlrft.config import Config, kl_estimator_name
+from vlrft.experience.maker import CorrectionSettings
 from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
@@ -20,9 +22,43 @@ from vlrft.distributed import all_gather_1d, all_reduce_sum, device, rank, world
 from vlrft.types import MicroBatch, Rollout
 
 
-def loss_settings(algo) -> LossSettings:
-    """The policy loss's settings from the `algo` config section."""
-    return LossSettings(algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c, algo.sapo_tau_pos, algo.sapo_tau_neg)
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Everything the policy and critic updates read (trainer/build.update_settings makes it
+    from the config; the key each field comes from is named beside it)."""
+
+    epochs: int  # train.ppo_epochs
+    mini_batches: int  # train.mini_batches: optimizer steps per epoch
+    micro_batch_tokens: int  # train.micro_batch_tokens
+    temperature: float  # rollout.temperature: logprobs are of the sampling distribution
+    max_response_tokens: int  # rollout's longest response: seq-mean-token-sum-norm's constant
+    policy_loss: str  # algo.policy_loss
+    loss: LossSettings  # algo.clip_eps_low/high, dual_clip_c, sapo_tau_pos/neg
+    loss_agg_mode: str  # algo.loss_agg_mode
+    kl_in_loss: bool  # algo.kl.placement == "loss" (active while the KL coefficient is > 0)
+    kl_estimator: str  # algo.kl.estimator (FULL_KL: against the reference's logits)
+    correction: CorrectionSettings  # algo.rollout_correction*
+    entropy_coef: float = 0.0  # algo.entropy_coef
+    high_entropy_token_ratio: float = 0.0  # algo.high_entropy_token_ratio
+    moe_aux_coef: float = 0.0  # algo.moe_aux_coef
+    ptx_coef: float = 0.0  # algo.ptx_coef
+    early_stop_ratio: float = 0.0  # algo.early_stop_ratio
+    target_kl: float = 0.0  # algo.target_kl
+    value_clip: float = 0.2  # critic.value_clip
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef > 0 or self.high_entropy_token_ratio > 0
+
+
+# The per-step sums the policy update all-reduces in one collective, by metric name.
+POLICY_SUMS = ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "ptx_nll", "moe_aux_loss")
+
+
+def all_reduce_named(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sum each named scalar over the ranks, in one collective."""
+    totals = all_reduce_sum(torch.stack([sums[name].reshape(()) for name in sums])).tolist()
+    return dict(zip(sums, totals))
 
 
 def loss_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
@@ -133,8 +169,7 @@ def ptx_batches(examples: list[Rollout], micro_batch_tokens: int) -> tuple[list[
 def policy_update(
     backend: TrainBackend,
     buffer,
-    cfg: Config,
-    world_size: int,
+    settings: UpdateSettings,
     kl_coef: float = 0.0,
     reference: torch.nn.Module | None = None,
     ptx: list[Rollout] = (),
@@ -147,25 +182,24 @@ def policy_update(
     ImageTokenCheck) guards each micro-batch before its forward. Step metrics are the last
     optimizer step's. Without the experience pass's policy forward (`old_from_update`, one
     optimizer step per batch) the forward here fills each sample's old logprobs and entropy."""
-    algo = cfg.algo
     metrics: dict[str, float] = {}
     epochs_run = skipped = nonfinite = steps = 0
-    extra, ptx_tokens = ptx_batches(list(ptx), cfg.train.micro_batch_tokens)  # the same in every step
-    for epoch in range(cfg.train.ppo_epochs):
+    extra, ptx_tokens = ptx_batches(list(ptx), settings.micro_batch_tokens)  # the same in every step
+    for epoch in range(settings.epochs):
         mini_batches = []
-        for batches in buffer.mini_batches(cfg.train.mini_batches, shuffle=True):
+        for batches in buffer.mini_batches(settings.mini_batches, shuffle=True):
             batches, bad = drop_bad_micro_batches(batches, image_check)
             skipped += bad
             mini_batches.append(batches)
-        if epoch > 0 and (algo.early_stop_ratio > 0 or algo.target_kl > 0):
-            ratio, kl = policy_drift(backend.model, [b for mb in mini_batches for b in mb], cfg.rollout.temperature)
+        if epoch > 0 and (settings.early_stop_ratio > 0 or settings.target_kl > 0):
+            ratio, kl = policy_drift(backend.model, [b for mb in mini_batches for b in mb], settings.temperature)
             metrics |= {"train/drift_ratio": ratio, "train/drift_kl": kl}
-            if should_stop_early(ratio, kl, algo.early_stop_ratio, algo.target_kl):
+            if should_stop_early(ratio, kl, settings.early_stop_ratio, settings.target_kl):
                 break
         for batches in mini_batches:
             if not batches:
                 continue
-            step_metrics = _one_step(backend, batches, extra, ptx_tokens, cfg, world_size, kl_coef, reference, old_from_update)
+            step_metrics = _one_step(backend, batches, extra, ptx_tokens, settings, kl_coef, reference, old_from_update)
             nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
             metrics |= step_metrics
             steps += 1
@@ -177,19 +211,18 @@ def policy_update(
     return metrics
 
 
-def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, reference, old_from_update) -> dict[str, float]:
+def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_coef, reference, old_from_update) -> dict[str, float]:
     """One optimizer step over the micro-batches; its metrics, or {} when it was skipped for a
     non-finite loss. `old_from_update`: the old logprobs are this forward's own, detached."""
-    algo = cfg.algo
-    temperature = cfg.rollout.temperature
-    kl_in_loss = kl_coef > 0 and algo.kl.placement == "loss"
-    estimator = kl_estimator_name(algo.kl)
-    need_entropy = algo.entropy_coef > 0 or algo.high_entropy_token_ratio > 0
+    temperature = settings.temperature
+    kl_in_loss = kl_coef > 0 and settings.kl_in_loss
+    full = settings.kl_estimator == FULL_KL
+    correction = settings.correction
     total_tokens, total_seqs = step_normalisers(batches)  # global denominators of this step
     work = [(False, b) for b in batches] + [(True, b) for b in ptx]
     here = device()  # the loss and its sums stay on the rank's device
     step_loss = torch.zeros(1, device=here)  # sum of micro-batch shares = this step's loss
-    sums = torch.zeros(7, device=here)  # sums of: pg loss, kl, clip hits, ratio, entropy (tokens); ptx nll; moe aux
+    sums = {name: torch.zeros((), device=here) for name in POLICY_SUMS}  # token sums, except the last two
     nonfinite = 0  # micro-batches of this step whose loss was NaN or infinite
     for i, (is_ptx, batch) in enumerate(work):
         mask = loss_mask(batch, here)  # [S, R] the loss layout: a row per sample, responses left-aligned
@@ -198,76 +231,78 @@ def _one_step(backend, batches, ptx, ptx_tokens, cfg, world_size, kl_coef, refer
             backend.model,
             batch,
             1.0 if is_ptx else temperature,
-            moe_aux=algo.moe_aux_coef > 0 and not is_ptx,
-            keep_logits=kl_in_loss and estimator == FULL_KL and not is_ptx,
+            moe_aux=settings.moe_aux_coef > 0 and not is_ptx,
+            keep_logits=kl_in_loss and full and not is_ptx,
         )
         logp = response_rows(batch, out.logp)  # [S, R]
         if is_ptx:
             nll = -(logp * mask).sum() / max(ptx_tokens, 1.0)
-            loss = algo.ptx_coef * nll
-            sums[5] += nll.detach()
+            loss = settings.ptx_coef * nll
+            sums["ptx_nll"] += nll.detach()
         else:
-            entropy = response_rows(batch, out.entropy) if need_entropy else torch.zeros_like(logp)  # [S, R]
+            entropy = response_rows(batch, out.entropy) if settings.needs_entropy else torch.zeros_like(logp)  # [S, R]
             if old_from_update:
                 keep_policy_terms(batch, out.logp.detach(), out.entropy.detach())
                 old = logp.detach()  # [S, R] the ratio is exactly 1
             else:
                 old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             adv = sample_rows(batch, "advantages", here)  # [S, R]
-            pg, clip_hit = policy_loss(algo.policy_loss, logp, old, adv, mask, loss_settings(algo))
-            if algo.rollout_correction != "none":  # engine-mismatch weights (algo/correction.py)
+            pg, clip_hit = policy_loss(settings.policy_loss, logp, old, adv, mask, settings.loss)
+            if correction.mode != "none":  # engine-mismatch weights (algo/correction.py)
                 if old_from_update:
                     weights = correction_weights(
-                        old, engine_logprob_rows(batch.samples, device=here), mask, algo.rollout_correction, algo.rollout_correction_cap,
-                        algo.rollout_correction_low, algo.rollout_correction_high,
+                        old, engine_logprob_rows(batch.samples, device=here), mask, correction.mode, correction.cap,
+                        correction.low, correction.high,
                     )
                 else:
                     weights = sample_rows(batch, "correction", here)
                 pg = pg * weights
-            if algo.high_entropy_token_ratio > 0:
+            if settings.high_entropy_token_ratio > 0:
                 # Threshold over this micro-batch's valid tokens on every rank; only the
                 # policy-gradient term is masked, the denominator stays the full token count.
                 valid = all_gather_1d(entropy.detach()[mask.bool()])
-                pg = pg * high_entropy_mask(entropy, entropy_threshold(valid, algo.high_entropy_token_ratio))
-            token_loss = pg - algo.entropy_coef * entropy
+                pg = pg * high_entropy_mask(entropy, entropy_threshold(valid, settings.high_entropy_token_ratio))
+            token_loss = pg - settings.entropy_coef * entropy
             kl = torch.zeros_like(pg)
             if kl_in_loss:
-                if estimator == FULL_KL:
+                if full:
                     with torch.no_grad():
                         ref_logits = policy_forward(reference, batch, temperature, keep_logits=True).logits
                     kl = response_rows(batch, torch.nn.functional.pad(full_kl(out.logits, ref_logits), (1, 0)))
                 else:
-                    kl = KL_ESTIMATORS.get(estimator)(logp, sample_rows(batch, "ref_logprobs", here))  # [S, R]
+                    kl = KL_ESTIMATORS.get(settings.kl_estimator)(logp, sample_rows(batch, "ref_logprobs", here))  # [S, R]
                 token_loss = token_loss + kl_coef * kl
-            loss = aggregate(token_loss, mask, algo.loss_agg_mode, total_tokens, total_seqs, cfg.rollout.max_response_tokens())
+            loss = aggregate(token_loss, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens)
             if out.aux_loss is not None:
                 # The router loss is per forward: weight it by this micro-batch's token share.
-                loss = loss + algo.moe_aux_coef * out.aux_loss * mask.sum() / max(total_tokens, 1.0)
-                sums[6] += out.aux_loss.detach() * mask.sum() / max(total_tokens, 1.0)
+                share = mask.sum() / max(total_tokens, 1.0)
+                loss = loss + settings.moe_aux_coef * out.aux_loss * share
+                sums["moe_aux_loss"] += out.aux_loss.detach() * share
             with torch.no_grad():
                 ratio = torch.exp((logp - old).clamp(-20, 20))
-                sums[:5] += torch.stack([(t * mask).sum() for t in (pg, kl, clip_hit, ratio, entropy)])
+                for name, per_token in (("pg_loss", pg), ("kl", kl), ("clip_frac", clip_hit), ("ratio_mean", ratio), ("entropy", entropy)):
+                    sums[name] += (per_token * mask).sum()
         # DeepSpeed averages gradients over ranks; the loss is already globally normalised.
-        nonfinite += not backward_guarded(backend, loss, out.logp, world_size, boundary=i == len(work) - 1)
+        nonfinite += not backward_guarded(backend, loss, out.logp, world_size(), boundary=i == len(work) - 1)
         step_loss += loss.detach()
     grad_norm = step_or_skip(backend, nonfinite, "policy")
     if grad_norm is None:
         return {}
-    sums = all_reduce_sum(sums)
-    token_means = sums[:5] / max(total_tokens, 1.0)
+    totals = all_reduce_named(sums | {"loss": step_loss})
+    tokens = max(total_tokens, 1.0)
     metrics = {
-        "train/loss": float(all_reduce_sum(step_loss)),
-        "train/pg_loss": float(token_means[0]),
-        "train/clip_frac": float(token_means[2]),
-        "train/ratio_mean": float(token_means[3]),
+        "train/loss": totals["loss"],
+        "train/pg_loss": totals["pg_loss"] / tokens,
+        "train/clip_frac": totals["clip_frac"] / tokens,
+        "train/ratio_mean": totals["ratio_mean"] / tokens,
         "train/grad_norm": grad_norm,
     }
     if kl_in_loss:
-        metrics["train/kl"] = float(token_means[1])
-    if need_entropy:
-        metrics["train/entropy"] = float(token_means[4])
+        metrics["train/kl"] = totals["kl"] / tokens
+    if settings.needs_entropy:
+        metrics["train/entropy"] = totals["entropy"] / tokens
     if ptx:
-        metrics["train/ptx_nll"] = float(sums[5])
-    if algo.moe_aux_coef > 0:
-        metrics["train/moe_aux_loss"] = float(sums[6])
+        metrics["train/ptx_nll"] = totals["ptx_nll"]
+    if settings.moe_aux_coef > 0:
+        metrics["train/moe_aux_loss"] = totals["moe_aux_loss"]
     return metrics

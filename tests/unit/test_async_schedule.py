@@ -1,0 +1,31 @@
+"""The schedule arithmetic of asynchronous training (trainer/async_roles.py), by hand."""
+
+import pytest
+
+from vlrft.trainer.async_roles import needed_version, role_ranks, sources_of, staleness, trainer_of
+
+
+@pytest.mark.parametrize("step, max_staleness, version", [
+    (1, 0, 0), (2, 0, 1), (5, 0, 4),  # synchronous: batch i waits for update i - 1
+    (1, 1, 0), (2, 1, 0), (3, 1, 1), (5, 1, 3),  # one update behind
+    (1, 2, 0), (3, 2, 0), (4, 2, 1),
+])
+def test_a_batch_waits_for_the_weights_its_staleness_bound_needs(step, max_staleness, version):
+    assert needed_version(step, max_staleness) == version
+    # Generated with exactly that version, batch `step` trains max_staleness updates later
+    # (fewer at the start, where version 0 is the oldest there is).
+    assert staleness(step, version) == min(max_staleness, step - 1)
+
+
+def test_trainers_come_first_and_each_rollout_rank_feeds_one_trainer():
+    assert role_ranks(1, 2) == ([1], [0])
+    assert role_ranks(2, 5) == ([3, 4], [0, 1, 2])
+    # 3 trainers, 2 rollout ranks: trainer 2 gets no batches (it trains a placeholder).
+    assert [trainer_of(j, 3) for j in range(2)] == [0, 1]
+    assert [sources_of(t, 2, 3) for t in range(3)] == [[3], [4], []]
+    # 1 trainer, 3 rollout ranks: it gets all three batches, from global ranks 1, 2, 3.
+    assert sources_of(0, 3, 1) == [1, 2, 3]
+    # Every rollout rank has exactly one trainer.
+    for rollouts, trainers in [(2, 3), (3, 1), (4, 2)]:
+        fed = sorted(r for t in range(trainers) for r in sources_of(t, rollouts, trainers))
+        assert fed == list(range(trainers, trainers + rollouts))

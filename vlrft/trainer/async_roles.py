@@ -1,0 +1,208 @@
+"""Asynchronous training (`train.mode: async`, docs/async.md): the last `rollout.ranks` ranks
+generate and score while the other ranks train, in one torchrun job. (The trainers come first:
+global rank 0 writes the run's files, and transformers' save_pretrained writes on no other.)
+
+    rollout rank j                              trainer rank t = j mod M (M trainer ranks)
+    --------------                              ---------------------------------------------
+    wait for weights version >= i - 1 - S  <--  broadcast version i - 1 (after update i - 1)
+    generate + score batch i
+    send batch i (non-blocking)            -->  receive batch i; experience pass; update i
+
+Batch i is trained at version i - 1, so a batch generated with version v is at most
+S = `train.max_staleness` updates old when it trains: the rollout ranks wait for weights (they
+throttle) rather than drop late samples. S = 0 is the synchronous schedule, step for step.
+Each rank's collectives (rank balance, metrics, DeepSpeed's gradients) run within its role's
+group (vlrft.distributed.take_role); the roles meet only in the messages below.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vlrft.distributed import (
+    all_reduce_max_int,
+    all_reduce_sum,
+    broadcast_weights,
+    global_rank,
+    global_world_size,
+    isend_object_to,
+    new_groups,
+    receive_weights,
+    recv_object_from,
+    take_role,
+    VersionBoard,
+)
+from vlrft.distributed import world_size as role_world_size
+
+WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
+
+
+def role_ranks(rollout_ranks: int, world: int) -> tuple[list[int], list[int]]:
+    """(rollout ranks, trainer ranks) as global ranks: the trainers first, from global rank 0."""
+    trainers = world - rollout_ranks
+    return list(range(trainers, world)), list(range(trainers))
+
+
+def trainer_of(rollout_rank: int, trainers: int) -> int:
+    """The trainer (its role rank = its global rank) that receives rollout role rank
+    `rollout_rank`'s batches."""
+    return rollout_rank % trainers
+
+
+def sources_of(trainer_rank: int, rollout_ranks: int, trainers: int) -> list[int]:
+    """The global ranks of the rollout ranks whose batches trainer `trainer_rank` receives."""
+    return [trainers + j for j in range(rollout_ranks) if trainer_of(j, trainers) == trainer_rank]
+
+
+def needed_version(step: int, max_staleness: int) -> int:
+    """The oldest weights version batch `step` (1-based) may be generated with: it trains at
+    version step - 1, at most `max_staleness` updates later."""
+    return max(step - 1 - max_staleness, 0)
+
+
+def staleness(step: int, version: int) -> int:
+    """Updates between the weights that generated batch `step` and the ones it trains at."""
+    return step - 1 - version
+
+
+def take_async_role(rollout_ranks: int):
+    """Split the world into rollout and trainer ranks (collective: every rank, once). Returns
+    (role, weights group): the group in which trainer rank 0 (global rank 0) broadcasts to the
+    rollout ranks."""
+    rollouts, trainers = role_ranks(rollout_ranks, global_world_size())
+    me = global_rank()
+    role = "rollout" if me in rollouts else "trainer"
+    take_role(rollouts if role == "rollout" else trainers, [rollouts, trainers])
+    (weights_group,) = new_groups([[trainers[0], *rollouts]])
+    return role, weights_group
+
+
+class RolloutRanks:
+    """The trainer ranks' engine: `update_weights` broadcasts the new weights to the rollout
+    ranks (trainer rank 0 sends; the other trainer ranks take part in ZeRO-3's gathers and
+    discard). Generation happens elsewhere, so sleep and wake have nothing to do."""
+
+    def __init__(self, weights_group, source: int, sends: bool):
+        self.weights_group, self.source, self.sends = weights_group, source, sends
+        self.board = VersionBoard() if sends else None
+        self.version = 0
+
+    def update_weights(self, named_tensors) -> None:
+        self.version += 1
+        if self.sends:
+            announced = self.board.announce()
+            assert announced == self.version, (announced, self.version)
+            broadcast_weights(self.weights_group, self.source, self.version, named_tensors)
+        else:
+            for _ in named_tensors:
+                pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def run_role(trainer) -> list[tuple[int, float]]:
+    """The asynchronous loop of this rank's role. Returns the evaluations (trainer rank 0)."""
+    return run_rollout(trainer) if trainer.role == "rollout" else run_trainer(trainer)
+
+
+def run_rollout(trainer) -> list[tuple[int, float]]:
+    cfg = trainer.cfg
+    total, every = cfg.train.total_steps, cfg.eval.every_steps
+    rollout_ranks, world = cfg.rollout.ranks, global_world_size()
+    destination = trainer_of(trainer.rank, world - rollout_ranks)
+    version = 0
+    evals: list[tuple[int, dict]] = []  # evaluations not yet sent
+    taken_mid_batch = 0  # versions a partial rollout took while this batch was generated
+
+    def evaluate_if_due() -> None:
+        if every and trainer.eval_sources and (version % every == 0 or version == total):
+            hook, trainer.engine.new_weights = trainer.engine.new_weights, None  # (no update inside evaluation)
+            metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
+            trainer.engine.new_weights = hook
+            if trainer.rank == 0:  # the same numbers on every rollout rank: one sends them
+                evals.append((version, metrics))
+
+    def next_version() -> None:
+        nonlocal version
+        version = receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version + 1, trainer.engine)
+        evaluate_if_due()
+
+    if cfg.train.partial_rollouts:
+        board = VersionBoard()
+
+        def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
+            nonlocal taken_mid_batch
+            if board.newest() <= version:
+                return False
+            while version < board.newest():
+                next_version()
+                taken_mid_batch += 1
+            return True
+
+        trainer.engine.new_weights = new_weights
+
+    evaluate_if_due()
+    pending = None  # the last batch's send, still in flight
+    for step in range(1, total + 1):
+        waited = time.perf_counter()
+        while version < needed_version(step, cfg.train.max_staleness):
+            next_version()
+        waited = time.perf_counter() - waited
+        trainer.begin_step()
+        started_at, taken_mid_batch = version, 0
+        kept, generated, metrics = trainer.collect_experiences()
+        metrics["async/rollout_wait_seconds"] = waited
+        metrics["async/updates_mid_batch"] = float(taken_mid_batch)
+        if pending is not None:
+            pending.wait()
+        # The batch's version is the oldest its tokens were sampled with.
+        pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept,
+                                                "generated": generated, "metrics": metrics, "evals": evals})
+        evals = []
+    while version < total:  # the remaining updates (and their evaluations)
+        next_version()
+    pending.wait()
+    isend_object_to(destination, {"step": None, "evals": evals}).wait()
+    return []
+
+
+def run_trainer(trainer) -> list[tuple[int, float]]:
+    cfg = trainer.cfg
+    rollout_ranks, trainers = cfg.rollout.ranks, role_world_size()
+    sources = sources_of(trainer.rank, rollout_ranks, trainers)
+
+    def receive() -> list[dict]:
+        return [recv_object_from(source) for source in sources]
+
+    def log_evals(messages: list[dict]) -> None:
+        for message in messages:
+            for step, metrics in message["evals"]:
+                trainer.eval_history.append((step, metrics["eval/accuracy"]))
+                trainer.logger.log(step, metrics)
+
+    for step in range(1, cfg.train.total_steps + 1):
+        waited = time.perf_counter()
+        messages = receive()
+        waited = time.perf_counter() - waited
+        start = trainer.begin_step()
+        assert all(m["step"] == step for m in messages), [m["step"] for m in messages]
+        kept = [e for m in messages for e in m["kept"]]
+        generated = [e for m in messages for e in m["generated"]]
+        # Rollout metrics are the same on every rollout rank (all-reduced there).
+        metrics = dict(messages[0]["metrics"]) if messages else {}
+        ages = [staleness(step, m["version"]) for m in messages]
+        age_sum, batches = all_reduce_sum(torch.tensor([float(sum(ages)), float(len(ages))])).tolist()
+        metrics |= {"async/staleness_mean": age_sum / max(batches, 1.0), "async/staleness_max": float(all_reduce_max_int(max(ages, default=0))),
+                    "async/trainer_wait_seconds": waited}
+        metrics = trainer.learn(kept, generated, metrics, start)
+        trainer.logger.log(step, metrics)
+        log_evals(messages)
+    log_evals(receive())
+    trainer.export_final()
+    return trainer.eval_history

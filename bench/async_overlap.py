@@ -9,8 +9,8 @@ prints, from the runs' metrics.jsonl:
 
 - sequences trained per second of the training loop (step times plus the trainer's waits;
   start-up and evaluation are left out: evaluation is off);
-- the idle fraction of each async role (the trainer waiting for a batch, the rollout rank
-  waiting for weights) and the staleness histogram;
+- the idle fraction of each async role (the trainer waiting for a batch or for the rollout
+  rank to take its weights, the rollout rank waiting for weights) and the staleness histogram;
 - the schedule model (`projection`): the measured phase times of the sync run, fed to
   `period_sync` / `period_async`, predict the speed-up for N rollout and M trainer GPUs.
 
@@ -94,7 +94,10 @@ def run(kind: str, task: str, args: list[str], out: Path, mode: list[str]) -> li
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in line]
+    config = json.loads((out / "config.json").read_text())
+    per_step = config["rollout"]["rollout_prompts"] * config["rollout"]["n_samples_per_prompt"]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in line]
+    return [step | {"sequences": per_step} for step in steps]
 
 
 def loop_seconds(steps: list[dict]) -> float:
@@ -102,7 +105,7 @@ def loop_seconds(steps: list[dict]) -> float:
 
 
 def sequences(steps: list[dict]) -> float:
-    return sum(s["rollout/sequences"] for s in steps)
+    return sum(s["sequences"] for s in steps)
 
 
 def section(name: str, steps: int, latency: float, work: Path) -> None:
@@ -114,7 +117,8 @@ def section(name: str, steps: int, latency: float, work: Path) -> None:
     rate_sync = sequences(sync) / loop_seconds(sync)
     rate_async = sequences(asynchronous) / loop_seconds(asynchronous)
     wall = loop_seconds(asynchronous)
-    trainer_idle = sum(s["async/trainer_wait_seconds"] for s in asynchronous) / wall
+    # The trainer waits for a batch, or in the broadcast of new weights until the rollout rank takes them.
+    trainer_idle = sum(s["async/trainer_wait_seconds"] + s["perf/sync_seconds"] for s in asynchronous) / wall
     rollout_idle = sum(s["async/rollout_wait_seconds"] for s in asynchronous) / wall
     ages = Counter(int(s["async/staleness_max"]) for s in asynchronous)
     print(f"\n== {name}: {steps} steps (the first {measured} left out), 2 CPU ranks")

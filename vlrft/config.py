@@ -154,8 +154,10 @@ class AlgoConfig:
     sapo_tau_neg: float = 1.05  # sapo: ... where it is negative (larger: fades faster)
     # Correct for the engine sampling from other numerics than the trainer's old policy, with
     # r = pi_old / pi_engine per sampled token: none | tis (weight min(r, cap)) | mis (drop
-    # responses whose geometric-mean r leaves [low, high]) | icepop (drop tokens whose r does).
-    rollout_correction: str = "none"
+    # responses whose geometric-mean r leaves [low, high]) | icepop (drop tokens whose r does) |
+    # auto: tis when async training samples from older weights (train.max_staleness > 0 or
+    # partial rollouts), else none.
+    rollout_correction: str = "auto"
     rollout_correction_cap: float = 2.0  # tis
     rollout_correction_low: float = 0.5  # mis, icepop
     rollout_correction_high: float = 2.0  # mis, icepop
@@ -441,6 +443,16 @@ def component_name(spec: RecipeSpec) -> str:
 def optimizer_steps_of_run(cfg: Config) -> int:
     """Policy optimizer steps the whole run takes (what the lr schedule counts)."""
     return cfg.train.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+
+
+def rollout_correction_mode(cfg: Config) -> str:
+    """algo.rollout_correction with `auto` resolved (tis where async training samples from
+    older weights than it trains, else none)."""
+    mode = cfg.algo.rollout_correction
+    if mode != "auto":
+        return mode
+    off_policy = cfg.train.mode == "async" and (cfg.train.max_staleness > 0 or cfg.train.partial_rollouts)
+    return "tis" if off_policy else "none"
 
 
 def kl_estimator_name(kl: KLConfig) -> str:

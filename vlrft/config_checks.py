@@ -17,6 +17,7 @@ from vlrft.config import (
     RewardConfig,
     component_name,
     optimizer_steps_of_run,
+    rollout_correction_mode,
 )
 from vlrft.errors import ConfigError
 
@@ -226,12 +227,13 @@ def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool) -> None:
     missing_package(reward.accuracy_recipe, resolve_recipe(reward.accuracy_recipe))
 
 
-def _validate_rollout_correction(algo, need) -> None:
+def _validate_rollout_correction(cfg: Config, need) -> None:
     from vlrft.algo.correction import ROLLOUT_CORRECTIONS
 
-    mode = algo.rollout_correction
-    need(mode in ROLLOUT_CORRECTIONS,
-         f"config key 'algo.rollout_correction' is '{mode}'; valid: {', '.join(ROLLOUT_CORRECTIONS)}")
+    algo = cfg.algo
+    need(algo.rollout_correction in ("auto", *ROLLOUT_CORRECTIONS),
+         f"config key 'algo.rollout_correction' is '{algo.rollout_correction}'; valid: auto, {', '.join(ROLLOUT_CORRECTIONS)}")
+    mode = rollout_correction_mode(cfg)
     need(algo.rollout_correction_cap >= 1, f"config key 'algo.rollout_correction_cap' must be >= 1, got {algo.rollout_correction_cap}")
     need(0 < algo.rollout_correction_low <= 1 <= algo.rollout_correction_high,
          "config keys 'algo.rollout_correction_low' / '_high' must satisfy 0 < low <= 1 <= high")
@@ -281,7 +283,7 @@ def _validate_algo(cfg: Config) -> None:
          f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got {algo.dual_clip_c}")
     need(algo.dual_clip_c == 0 or algo.policy_loss in ("ppo", "gspo"),
          f"config key 'algo.dual_clip_c' applies to policy_loss ppo and gspo, not '{algo.policy_loss}'")
-    _validate_rollout_correction(algo, need)
+    _validate_rollout_correction(cfg, need)
     need(algo.sapo_tau_pos > 0 and algo.sapo_tau_neg > 0,
          "config keys 'algo.sapo_tau_pos' and 'algo.sapo_tau_neg' must be > 0")
     default = AlgoConfig()

@@ -29,3 +29,17 @@ def test_trainers_come_first_and_each_rollout_rank_feeds_one_trainer():
     for rollouts, trainers in [(2, 3), (3, 1), (4, 2)]:
         fed = sorted(r for t in range(trainers) for r in sources_of(t, rollouts, trainers))
         assert fed == list(range(trainers, trainers + rollouts))
+
+
+def test_the_schedule_model_by_hand():
+    from bench.async_overlap import best_split, period_async, period_sync
+
+    # G = 4 GPU-s to generate, T = 2 GPU-s to train, W = 0.5 s to send the weights.
+    assert period_sync(4, 2, 0.5, gpus=2) == 2 + 1 + 0.5
+    assert period_async(4, 2, 0.5, rollout_gpus=1, trainer_gpus=1) == 4  # generation sets the pace
+    assert period_async(4, 2, 0.5, rollout_gpus=4, trainer_gpus=4) == 1.0  # 4/4 = 2/4 + 0.5: balanced
+    assert period_async(4, 2, 0.5, rollout_gpus=4, trainer_gpus=4, max_staleness=0) == 2.0  # the roles take turns
+    # 2 GPUs: either split leaves one role waiting; async is slower than sync (3.5 / 4).
+    assert best_split(4, 2, 0.5, gpus=2) == (1, 3.5 / 4)
+    # 8 GPUs: sync 0.5 + 0.25 + 0.5 = 1.25 s; 4 + 4 balances at 1.0 s.
+    assert best_split(4, 2, 0.5, gpus=8) == (4, 1.25)

@@ -91,7 +91,7 @@ INVALID = {
     "sapo temperatures for another loss": (["algo.sapo_tau_pos=2"], "apply to policy_loss sapo, not 'ppo'"),
     "a non-positive sapo temperature": (["algo.policy_loss=sapo", "algo.sapo_tau_neg=0"], "must be > 0"),
     "mini-batches below one": (["train.mini_batches=0"], "'train.mini_batches' must be >= 1"),
-    "an unknown rollout correction": (["algo.rollout_correction=is"], "'algo.rollout_correction' is 'is'; valid: none, tis, mis, icepop"),
+    "an unknown rollout correction": (["algo.rollout_correction=is"], "'algo.rollout_correction' is 'is'; valid: auto, none, tis, mis, icepop"),
     "a correction cap below one": (["algo.rollout_correction=tis", "algo.rollout_correction_cap=0.5"], "must be >= 1"),
     "a correction band for tis": (["algo.rollout_correction=tis", "algo.rollout_correction_low=0.2"],
                                   "apply to rollout_correction mis and icepop, not 'tis'"),
@@ -176,3 +176,16 @@ def test_async_mode_refuses_what_it_cannot_do_yet_by_key(override, works, tmp_pa
     key = override.split()[-1].split("=")[0]
     with pytest.raises(ConfigError, match=f"does not support config key '{key}' yet: set it to {works}"):
         load_config(write(tmp_path, BASE), base + override.split())
+
+
+def test_rollout_correction_auto_weighs_tokens_only_where_async_samples_from_older_weights(tmp_path):
+    from vlrft.config import rollout_correction_mode
+
+    mode = lambda *overrides: rollout_correction_mode(load_config(write(tmp_path, BASE), list(overrides)))  # noqa: E731
+    assert mode() == "none"  # sync: the engine serves the weights being trained
+    async_run = ["train.mode=async", "rollout.ranks=1", "checkpoint.save_steps=0"]
+    assert mode(*async_run) == "tis"  # max_staleness 1 by default
+    assert mode(*async_run, "train.max_staleness=0") == "none"  # the synchronous schedule
+    assert mode(*async_run, "train.max_staleness=0", "train.partial_rollouts=true") == "tis"
+    assert mode(*async_run, "algo.rollout_correction=icepop") == "icepop"
+    assert mode("algo.rollout_correction=mis") == "mis"

@@ -112,6 +112,9 @@ def run_role(trainer) -> list[tuple[int, float]]:
 
 
 def run_rollout(trainer) -> list[tuple[int, float]]:
+    """A rollout rank: for each step, wait for the weights the staleness bound needs, generate
+    and score its share of the batch, send it to its trainer; evaluate each version that is due.
+    Partial rollouts take newer weights between two decoding steps as well."""
     cfg = trainer.cfg
     total, every = cfg.train.total_steps, cfg.eval.every_steps
     rollout_ranks, world = cfg.rollout.ranks, global_world_size()
@@ -173,6 +176,8 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
 
 
 def run_trainer(trainer) -> list[tuple[int, float]]:
+    """A trainer rank: for each step, receive the batches of its rollout ranks and learn from
+    them (experience pass, update, weights to the rollout ranks); log; export at the end."""
     cfg = trainer.cfg
     rollout_ranks, trainers = cfg.rollout.ranks, role_world_size()
     sources = sources_of(trainer.rank, rollout_ranks, trainers)
@@ -198,8 +203,9 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         metrics = dict(messages[0]["metrics"]) if messages else {}
         ages = [staleness(step, m["version"]) for m in messages]
         age_sum, batches = all_reduce_sum(torch.tensor([float(sum(ages)), float(len(ages))])).tolist()
-        metrics |= {"async/staleness_mean": age_sum / max(batches, 1.0), "async/staleness_max": float(all_reduce_max_int(max(ages, default=0))),
-                    "async/trainer_wait_seconds": waited}
+        metrics["async/staleness_mean"] = age_sum / max(batches, 1.0)
+        metrics["async/staleness_max"] = float(all_reduce_max_int(max(ages, default=0)))
+        metrics["async/trainer_wait_seconds"] = waited
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
         log_evals(messages)

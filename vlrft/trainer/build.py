@@ -8,7 +8,7 @@ import torch
 from vlrft.algo.estimate import AdvantageOptions
 from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
-from vlrft.config import Config, kl_estimator_name, optimizer_steps_of_run
+from vlrft.config import Config, kl_estimator_name, optimizer_steps_of_run, rollout_correction_mode
 from vlrft.distributed import device
 from vlrft.engines import SamplingParams
 from vlrft.models.loader import load_model
@@ -102,15 +102,16 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None,
         kl=KLSettings(estimator=kl_estimator_name(cfg.algo.kl), placement=cfg.algo.kl.placement, coef=lambda: controller.coef),
         mask_truncated=cfg.algo.mask_truncated,
         image_check=image_check,
-        correction=correction_settings(cfg.algo),
+        correction=correction_settings(cfg),
         policy_pass=not old_logprobs_from_update(cfg),
         multi_turn=multi_turn,
     )
 
 
-def correction_settings(algo) -> CorrectionSettings:
-    """The rollout-correction weights' settings from the `algo` config section."""
-    return CorrectionSettings(algo.rollout_correction, algo.rollout_correction_cap, algo.rollout_correction_low,
+def correction_settings(cfg: Config) -> CorrectionSettings:
+    """The rollout-correction weights' settings (algo.rollout_correction*)."""
+    algo = cfg.algo
+    return CorrectionSettings(rollout_correction_mode(cfg), algo.rollout_correction_cap, algo.rollout_correction_low,
                               algo.rollout_correction_high)
 
 
@@ -134,7 +135,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
         ptx_coef=algo.ptx_coef,
         early_stop_ratio=algo.early_stop_ratio,
         target_kl=algo.target_kl,
-        correction=correction_settings(algo),
+        correction=correction_settings(cfg),
         value_clip=cfg.critic.value_clip,
     )
 

@@ -169,6 +169,7 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
     ("train.zero_stage=3", "0, 1 or 2"),
     ("train.ema_beta=0.9", "0"),
     ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),
+    ("rollout.engine=vllm", "hf"),
 ])
 def test_async_mode_refuses_what_it_cannot_do_yet_by_key(override, works, tmp_path):
     base = ["train.mode=async", "rollout.ranks=1", "checkpoint.save_steps=0"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from vlrft.algo.shaping import ZeroRewardWatch, groups_with_spread
+from vlrft.algo.shaping import ZeroRewardWatch
 from vlrft.algo.value import ReturnStats
 from vlrft.config import Config, to_dict
 from vlrft.errors import ConfigError
@@ -27,7 +27,6 @@ from vlrft.isolation.sandbox import configure as sandbox_settings
 from vlrft.data.ptx import PtxStream
 from vlrft.data.sampler import PromptSampler
 from vlrft.engines import ENGINES
-from vlrft.engines.base import derived_seed
 from vlrft.experience.checks import ImageTokenCheck
 from vlrft.experience.maker import FastExperienceMaker
 from vlrft.experience.replay_buffer import ReplayBuffer
@@ -61,7 +60,6 @@ from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, 
 from vlrft.trainer.run_lock import claim_run_dir
 from vlrft.trainer.critic_update import critic_update
 from vlrft.distributed import (
-    all_reduce_max_int,
     all_reduce_sum,
     barrier,
     init_distributed,
@@ -70,6 +68,7 @@ from vlrft.distributed import (
     world_size,
 )
 from vlrft.trainer.async_roles import WEIGHTS_SOURCE, RolloutRanks, run_role, take_async_role
+from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.guards import RunGuards
 from vlrft.trainer.rank_balance import balance_across_ranks
@@ -382,7 +381,7 @@ class SPMDTrainer:
         cache_counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's prefix cache (every rank's engine)
         cache_before = torch.tensor(cache_counts()) if cache_counts else None
         start = time.perf_counter()
-        kept, generated, metrics = self._sample_groups()
+        kept, generated, metrics = sample_groups(self)
         metrics["perf/generate_seconds"] = time.perf_counter() - start  # generation and rewards
         if cache_counts:
             hits, queries = all_reduce_sum(torch.tensor(cache_counts()) - cache_before).tolist()
@@ -390,48 +389,6 @@ class SPMDTrainer:
         if self.global_step == 1:  # once per run (a resumed run's metrics.jsonl has it already)
             metrics["data/skipped_rows"] = float(self.bad_input.skipped_rows)
         return kept, generated, metrics
-
-    def _sample_groups(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
-        """(kept, all generated, metrics). With dynamic sampling, groups whose rewards all equal
-        are dropped and more prompts sampled until every rank has its share of groups or
-        `max_sampling_rounds` rounds ran; the decision is all-reduced so ranks stay in step."""
-        rollout = self.cfg.rollout
-        target = rollout.rollout_prompts // self.world_size  # groups per rank
-        kept: list[Experience] = []
-        generated: list[Experience] = []
-        rounds = skipped = 0
-        while True:
-            items = [(self.train_rows[row], pos) for pos, row in self.sampler.next_indices()]
-            prompts, bad = self.bad_input.encode(self.encoder, items)  # bad prompts: all ranks
-            skipped += bad
-            scored = self.maker.generate_and_score(prompts, derived_seed(self.cfg.train.seed, self.global_step, rounds))
-            generated += scored
-            rounds += 1
-            if not rollout.dynamic_sampling:
-                return scored, generated, {"data/skipped_prompts": float(skipped)}
-            rewards = torch.tensor([e.total_reward for e in scored])
-            spread = groups_with_spread(rewards, torch.tensor([e.rollout.group_id for e in scored]))
-            kept += [e for e, keep in zip(scored, spread.tolist()) if keep]
-            deficit = max(target - len({e.rollout.group_id for e in kept}), 0)
-            if all_reduce_max_int(deficit) == 0 or rounds >= rollout.max_sampling_rounds:
-                break
-        n_generated = len({e.rollout.group_id for e in generated})
-        n_kept = len({e.rollout.group_id for e in kept})
-        first_groups = sorted({e.rollout.group_id for e in kept})[:target]
-        kept = [e for e in kept if e.rollout.group_id in first_groups]
-        if not kept and generated:
-            # Nothing left to learn from on this rank: one dropped group keeps the rank in
-            # step with the others (same collectives) and contributes nothing to the loss.
-            last = generated[-1].rollout.group_id
-            kept = [e for e in generated if e.rollout.group_id == last]
-            for e in kept:
-                e.in_loss = False
-        totals = all_reduce_sum(torch.tensor([float(n_generated), float(n_kept)])).tolist()
-        return kept, generated, {
-            "rollout/dropped_group_frac": 1.0 - totals[1] / max(totals[0], 1.0),
-            "rollout/sampling_rounds": float(rounds),
-            "data/skipped_prompts": float(skipped),
-        }
 
     def _sync_weights(self) -> None:
         """Send the updated weights to the engine, updating the reference and policy EMAs on

@@ -121,6 +121,9 @@ class RolloutConfig:
     max_turns: int = 4  # turns the policy generates per trajectory at most
     max_trajectory_tokens: int = 2048  # response tokens per trajectory: actions and observations
     environment_timeout_s: float = 30.0  # per reset/step call; a slower call is a counted failure
+    # Worker processes per rank holding the environments: a turn's calls into different workers
+    # run at the same time (an environment that waits, waits once per turn per worker).
+    environment_workers: int = 4
 
     def max_response_tokens(self) -> int:
         """The longest response a rollout can have (loss normaliser, engine context)."""

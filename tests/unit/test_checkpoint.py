@@ -75,11 +75,29 @@ def test_resuming_discards_the_abandoned_future(tmp_path):
     truncate_metrics_after(tmp_path / "absent.jsonl", 3)  # no log yet: nothing to do
 
 
+def test_an_async_resume_drops_the_evaluation_logged_at_its_step(tmp_path):
+    """An async run's evaluation of step k arrives after checkpoint k was saved: the resumed run
+    evaluates k again, so the old line goes; the step's training line stays."""
+    lines = [{"step": 2, "train/loss": 1.0}, {"step": 2, "eval/accuracy": 0.5}, {"step": 3, "train/loss": 0.9}]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    truncate_metrics_after(log, 2)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == lines[:2]
+    truncate_metrics_after(log, 2, evaluation_at_step=True)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == lines[:1]
+
+
 def test_config_keys_that_shape_the_saved_state_must_match():
     saved = to_dict(load_config(None, BASE))
     assert changed_state_keys(saved, to_dict(load_config(None, BASE + ["train.lr=0.5", "train.total_steps=99"]))) == []
     current = to_dict(load_config(None, BASE + ["train.ema_beta=0.9", "algo.kl.coef=0.1"]))
     assert changed_state_keys(saved, current) == ["train.ema_beta", "algo.kl.coef"]
+    # An async run's rank files are not a sync run's: the mode and the split must match too.
+    asynchronous = to_dict(load_config(None, BASE + ["train.mode=async", "rollout.ranks=1"]))
+    assert changed_state_keys(saved, asynchronous) == ["train.mode", "rollout.ranks"]
+    older = json.loads(json.dumps(saved))  # a checkpoint from before train.mode existed: it was sync
+    del older["train"]["mode"], older["rollout"]["ranks"]
+    assert changed_state_keys(older, saved) == [] and changed_state_keys(older, asynchronous) == ["train.mode", "rollout.ranks"]
 
 
 def test_checkpoint_and_logging_keys_are_validated(monkeypatch):

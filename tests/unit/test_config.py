@@ -165,7 +165,6 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
 
 
 @pytest.mark.parametrize("override, works", [
-    ("checkpoint.save_steps=10", "0"),
     ("train.zero_stage=3", "0, 1 or 2"),
     ("train.ema_beta=0.9", "0"),
     ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),

@@ -2,6 +2,7 @@
 and observation tokens out of every loss."""
 
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -198,6 +199,22 @@ class Counting:
         return Step("obs", reward=0.25, done=self.steps == 3 or self.row == "quick")
 
 
+class Sleeping:
+    """Sleeps `seconds` in each step (a sandbox or a web page it waits on); done at the second."""
+
+    def __init__(self, seconds):
+        self.seconds, self.steps = seconds, 0
+
+    def reset(self, sample):
+        pass
+
+    def step(self, action):
+        import os, time
+        time.sleep(self.seconds)
+        self.steps += 1
+        return Step(f"pid {os.getpid()}", reward=1.0, done=self.steps == 2)
+
+
 class Showing:
     """Answers every turn with "look" and the images it was given."""
 
@@ -218,13 +235,13 @@ def hosted(tmp_path):
     (tmp_path / "environments.py").write_text(ENVIRONMENTS)
     hosts = []
 
-    def host(name: str, timeout_s: float = 1.0, **args) -> EnvironmentHost:
-        hosts.append(EnvironmentHost(f"{tmp_path / 'environments.py'}:{name}", args, timeout_s))
+    def host(name: str, timeout_s: float = 1.0, workers: int = 1, **args) -> EnvironmentHost:
+        hosts.append(EnvironmentHost(f"{tmp_path / 'environments.py'}:{name}", args, timeout_s, workers))
         return hosts[-1]
 
     yield host
     for h in hosts:
-        h.worker.stop()
+        h.stop()
 
 
 def prompt(row_id: str, index: int) -> Prompt:
@@ -279,6 +296,44 @@ def test_a_hanging_step_is_killed_and_loses_the_environments_of_its_worker(token
     assert len(again.turns) == 3 and not any("error" in t for t in again.turns)
 
 
+def test_a_turns_environment_calls_run_at_the_same_time_in_the_workers(tokenizer, hosted):
+    """8 trajectories whose steps sleep 0.4 s: with 4 workers each turn waits two rounds of
+    0.4 s (not eight), the environments spread over 4 processes (they answer with their pid),
+    and the trajectories are those of one worker, turn for turn, in the same order."""
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    rows = [prompt(f"r{i}", i) for i in range(4)]
+
+    def run(workers: int) -> tuple[list, float]:
+        mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, workers=workers, seconds=0.4), template, max_turns=3, max_tokens=200)
+        mt.environments.each([(w, partial(mt.environments.construct, "warm-up", w)) for w in range(workers)])  # start them
+        start = time.monotonic()
+        rollouts = multi_turn_generate(ScriptedEngine([[7, stop], [8, stop], [9, stop]], stop), rows, params, mt, lambda p: {})
+        return rollouts, time.monotonic() - start
+
+    serial, serial_s = run(1)
+    pooled, pooled_s = run(4)
+    assert serial_s >= 2 * 8 * 0.4  # two steps per trajectory, one after another
+    assert pooled_s < 2 * 2 * 0.4 + 1.0, pooled_s
+    turns = lambda rollouts: [(r.prompt.id, [(t["action"], t["reward"]) for t in r.turns]) for r in rollouts]  # noqa: E731
+    assert turns(pooled) == turns(serial) == [(f"r{i // 2}", [("turn 1", 1.0), ("turn 2", 1.0)]) for i in range(8)]
+    pids = {r.turns[0]["observation"] for r in pooled}
+    assert len(pids) == 4 and len({r.turns[0]["observation"] for r in serial}) == 1
+
+
+def test_a_hang_in_one_worker_loses_only_that_workers_environments(tokenizer, hosted):
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    mt = MultiTurn(hosted("Counting", timeout_s=0.5, workers=2), template, max_turns=3, max_tokens=200)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    rows = [prompt("ok", 0), prompt("hangs", 1), prompt("ok", 2), prompt("ok", 3)]  # workers 0 1 0 1
+    ok, hung, other, lost = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, lambda p: {"id": p.id})
+    assert hung.turns[1]["error"] == "step timed out after 0.5s"
+    assert lost.turns[1]["error"].startswith("step not run: its environment was lost with its worker process")
+    assert [len(r.turns) for r in (ok, other)] == [3, 3] and not any("error" in t for r in (ok, other) for t in r.turns)
+
+
 def test_trajectory_budget_and_turn_limit(tokenizer, hosted):
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
@@ -297,6 +352,7 @@ def test_trajectory_budget_and_turn_limit(tokenizer, hosted):
     ("rollout.max_turns=0", "'rollout.max_turns' must be >= 1, got 0"),
     ("rollout.max_trajectory_tokens=8", "'rollout.max_trajectory_tokens' (8) must be >= rollout.max_new_tokens (16)"),
     ("rollout.environment_timeout_s=0", "'rollout.environment_timeout_s' must be > 0"),
+    ("rollout.environment_workers=0", "'rollout.environment_workers' must be >= 1, got 0"),
 ])
 def test_multi_turn_config_errors_are_one_line(override, message, tiny_text, addition_data):
     from vlrft.config import load_config
@@ -322,7 +378,7 @@ def test_environment_args_reach_the_environment_and_bad_ones_fail_at_start(tiny_
     call = '<tool_call>{"name": "%s", "arguments": {"expression": "1000 * 1000"}}</tool_call>'
     assert mt.environments.step(held, call % "calculator", "step").observation == "100"  # 1000000, cut at 3
     assert mt.environments.step(held, call % "python", "step").observation == "error: unknown tool 'python'; available: calculator"
-    mt.environments.worker.stop()
+    mt.environments.stop()
     assert mt.template.glue == {stop[0]: "\n<|im_start|>tool\n"}  # the tools environment answers as role "tool"
     with pytest.raises(ConfigError, match="environment 'tools' could not be built from rollout.environment_args: .*colour"):
         multi_turn(load_config(None, base + ["rollout.environment_args={colour: red}"]), encoder, stop)

@@ -287,7 +287,7 @@ def test_an_environment_call_fails_in_one_line_and_a_hang_loses_the_worker(tmp_p
     third = host.construct("construction 3")  # a fresh worker
     assert host.step(third, "again", "step 3").observation == "AGAIN"
     host.release([first, second, third])
-    host.worker.stop()
+    host.stop()
 
 
 def test_a_hanging_user_tool_is_killed_with_the_tools_environment(tmp_path):
@@ -301,7 +301,7 @@ def test_a_hanging_user_tool_is_killed_with_the_tools_environment(tmp_path):
     with pytest.raises(EnvironmentFailure, match="timed out after 1s"):
         host.step(held, call % ("stall", '"seconds": 3600'), "step")
     assert time.monotonic() - start < 1.0 + MARGIN_S
-    host.worker.stop()
+    host.stop()
 
 
 def run_script(body: str, **kwargs) -> subprocess.Popen:

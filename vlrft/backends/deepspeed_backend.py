@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -62,6 +64,52 @@ def size_buckets(sizes: list[int], limit: int) -> list[list[int]]:
         buckets[-1].append(i)
         total += size
     return buckets
+
+
+def route_world_collectives(group) -> None:
+    """DeepSpeed takes the whole job for its world: its collectives without a group (the
+    barriers and tag checks of save_checkpoint, ZeRO-3's set-up) would wait for ranks that
+    never join them (an async run's rollout ranks). From here on, in this process, every call
+    of DeepSpeed's communication backend without a group runs in `group`, the trainer ranks'.
+    (The trainers are global ranks 0..M-1, so DeepSpeed's "global rank 0" stays the same rank.)"""
+    from deepspeed import comm as ds_comm
+
+    ds_comm.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # over the existing world
+    backend = ds_comm.comm.cdb  # every deepspeed.comm function calls this object's method
+    if getattr(backend, "vlrft_world", None) is not None:
+        return
+    for name in dir(type(backend)):
+        function = getattr(type(backend), name)
+        if name.startswith("_") or name == "destroy_process_group" or not inspect.isfunction(function):
+            continue
+        signature = _declared_signature(function, name)
+        if "group" in signature.parameters:
+            setattr(backend, name, _in_group(getattr(backend, name), signature, group))
+    backend.vlrft_world = group
+
+
+def _declared_signature(function, name: str) -> inspect.Signature:
+    """The signature `name` was declared with: DeepSpeed's decorators (timers, CPU staging)
+    wrap it in a (self, *args, **kwargs) function without functools.wraps, so look inside."""
+    function = inspect.unwrap(function)
+    for cell in function.__closure__ or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) and inner.__name__ == name:
+            return _declared_signature(inner, name)
+    return inspect.signature(function)
+
+
+def _in_group(method, signature: inspect.Signature, group):
+    """`method` (bound; `signature` includes self) with `group` where it is called without one."""
+
+    @functools.wraps(method)
+    def routed(*args, **kwargs):
+        bound = signature.bind_partial(None, *args, **kwargs)  # None: self's place
+        if bound.arguments.get("group") is None:
+            bound.arguments["group"] = group
+        return method(*bound.args[1:], **bound.kwargs)
+
+    return routed
 
 
 class RoleParallelism:
@@ -126,6 +174,8 @@ class DeepSpeedBackend:
             optimizer = None
             scheduler = schedule
         group = role_group()  # async training: the trainer ranks are DeepSpeed's data-parallel world
+        if group is not None:
+            route_world_collectives(group)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config,
             mpu=RoleParallelism(group) if group is not None else None,

@@ -12,6 +12,7 @@ reward server) has no budget.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from vlrft.errors import VlrftError
@@ -28,6 +29,7 @@ class StepBudget:
         self.seconds = 0.0  # 0 = no budget
         self.deadline: float | None = None
         self.slowest = dict.fromkeys(CALL_KINDS, 0.0)  # seconds of the step's slowest call, by kind
+        self._lock = threading.Lock()  # a turn's environment calls record from several threads
 
     def start(self, seconds: float) -> None:
         """A new step: the budget is `seconds` from now (0 = none); the slowest calls reset."""
@@ -44,7 +46,8 @@ class StepBudget:
         return min(timeout_s, left), left < timeout_s
 
     def record(self, kind: str, seconds: float) -> None:
-        self.slowest[kind] = max(self.slowest[kind], seconds)
+        with self._lock:
+            self.slowest[kind] = max(self.slowest[kind], seconds)
 
     def stalled(self, what: str) -> CallStalled:
         return CallStalled(

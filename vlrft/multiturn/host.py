@@ -1,17 +1,22 @@
-"""The environments of a rank's trajectories, held in one worker process (vlrft.workers), so
-that a timeout really ends a hung construction, reset or step.
+"""The environments of a rank's trajectories, held in `rollout.environment_workers` worker
+processes (vlrft.workers), so that a timeout really ends a hung construction, reset or step, and
+so that the calls of one turn run at the same time: an environment that waits on something (a
+sandbox, a web page, a simulator) waits once per turn, not once per trajectory.
 
-Each trajectory's environment lives in the worker under a key; construction, reset and step
-are calls into it, one at a time, each with `rollout.environment_timeout_s`. A call that times
-out kills the worker: its trajectory fails with the timeout, and every other environment held
-in that worker is lost with it: its trajectory's next call fails in one line naming the call
-that timed out (both count as environment failures). The next construction starts a fresh
-worker. Anything a call returns (a Step with its PIL images) comes back pickled.
+Each trajectory's environment lives in one worker (round robin) under a key; construction,
+reset and step are calls into it, each with `rollout.environment_timeout_s`. A worker serves
+one call at a time; `each` runs a turn's calls with one thread per worker, so calls into
+different workers overlap. A call that times out kills its worker: its trajectory fails with
+the timeout, and every other environment held in that worker is lost with it: its trajectory's
+next call fails in one line naming the call that timed out (both count as environment
+failures). The next construction in that worker starts a fresh process. Anything a call
+returns (a Step with its PIL images) comes back pickled.
 """
 
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,38 +27,61 @@ from vlrft.workers import START_TIMEOUT_S, CallFailed, Worker
 
 @dataclass(frozen=True)
 class Held:
-    """A trajectory's environment in the worker: its key, and the worker process it lives in."""
+    """A trajectory's environment: its key, the worker it lives in and that worker's process."""
 
     key: int
+    worker: int
     generation: int
 
 
 class EnvironmentHost:
-    """Constructs, resets and steps environments `name(**args)` in this rank's worker process."""
+    """Constructs, resets and steps environments `name(**args)` in this rank's worker processes."""
 
-    def __init__(self, name: str, args: dict, timeout_s: float):
+    def __init__(self, name: str, args: dict, timeout_s: float, workers: int = 1):
         self.name, self.args, self.timeout_s = name, args, timeout_s
-        self.worker = Worker(prepare=(load, (name,)))
+        self.workers = [Worker(prepare=(load, (name,))) for _ in range(workers)]
         self._keys = itertools.count()
-        self._lost: dict[int, str] = {}  # worker generation -> the call that ended that worker
+        self._lost: dict[tuple[int, int], str] = {}  # (worker, generation) -> the call that ended that process
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="vlrft-environment") if workers > 1 else None
 
     def probe(self) -> str:
         """Build one environment and drop it: its `observation_role` (default "tool"), or the
-        EnvironmentFailure of a bad `environment_args`. Part of starting the worker, so under
-        its start limit, not a call's timeout."""
+        EnvironmentFailure of a bad `environment_args`. Part of starting the first worker, so
+        under its start limit, not a call's timeout."""
         key = next(self._keys)
         try:
-            role = self.worker.call(construct, (self.name, self.args, key), START_TIMEOUT_S)
+            role = self.workers[0].call(construct, (self.name, self.args, key), START_TIMEOUT_S)
         except CallFailed as failure:
             raise EnvironmentFailure(str(failure)) from None
-        self.release([Held(key, self.worker.generation)])
+        self.release([Held(key, 0, self.workers[0].generation)])
         return role
 
-    def construct(self, what: str) -> Held:
-        """A fresh environment in the worker; its handle."""
+    def each(self, jobs: list[tuple[int, Callable[[], None]]]) -> None:
+        """Run the jobs, each a (worker index, function making calls into that worker): one
+        worker's jobs in order, different workers' at the same time. What a job raises (a
+        stalled step's CallStalled) is raised here once every job has ended."""
+        if self._threads is None:
+            for _, job in jobs:
+                job()
+            return
+        by_worker: dict[int, list[Callable[[], None]]] = {}
+        for worker, job in jobs:
+            by_worker.setdefault(worker, []).append(job)
+        running = [self._threads.submit(_in_order, queue) for queue in by_worker.values()]
+        for done in running:
+            done.exception()  # waits: every job ends before one's error is raised
+        for done in running:
+            done.result()
+
+    def worker_for(self, index: int) -> int:
+        """The worker of the `index`-th trajectory of a batch (round robin)."""
+        return index % len(self.workers)
+
+    def construct(self, what: str, worker: int = 0) -> Held:
+        """A fresh environment in worker `worker`; its handle."""
         key = next(self._keys)
-        self._call(construct, (self.name, self.args, key), what)
-        return Held(key, self.worker.generation)
+        self._call(worker, construct, (self.name, self.args, key), what)
+        return Held(key, worker, self.workers[worker].generation)
 
     def reset(self, held: Held, sample: dict, what: str) -> None:
         self._call_held(held, reset, (held.key, sample), what)
@@ -63,29 +91,42 @@ class EnvironmentHost:
         return self._call_held(held, step, (held.key, action), what)
 
     def release(self, helds: list[Held]) -> None:
-        """Drop finished trajectories' environments from the worker. Outside the step's budget
-        and never a failure: a release that times out kills the worker, which frees them too."""
-        alive = [h.key for h in helds if h.generation == self.worker.generation]
-        if alive and self.worker.running:
-            try:
-                self.worker.call(release, (alive,), self.timeout_s)
-            except CallFailed:
-                pass
+        """Drop finished trajectories' environments from their workers. Outside the step's
+        budget and never a failure: a release that times out kills the worker, which frees them too."""
+        for index, worker in enumerate(self.workers):
+            alive = [h.key for h in helds if h.worker == index and h.generation == worker.generation]
+            if alive and worker.running:
+                try:
+                    worker.call(release, (alive,), self.timeout_s)
+                except CallFailed:
+                    pass
         self._lost.clear()
 
-    def _call_held(self, held: Held, fn: Callable, args: tuple, what: str) -> Any:
-        if held.generation != self.worker.generation or not self.worker.running:
-            ended = self._lost.get(held.generation, "it was stopped")
-            raise EnvironmentFailure(f"not run: its environment was lost with its worker process ({ended})")
-        return self._call(fn, args, what)
+    def stop(self) -> None:
+        """End every worker process (they also end with this object and at exit)."""
+        for worker in self.workers:
+            worker.stop()
 
-    def _call(self, fn: Callable, args: tuple, what: str) -> Any:
-        outcome = call_in_worker(self.worker, fn, args, self.timeout_s, "environment", what)
-        if not self.worker.running:  # this call ended the worker, and every environment in it
-            self._lost[self.worker.generation] = f"{what}: {outcome.failure}"
+    def _call_held(self, held: Held, fn: Callable, args: tuple, what: str) -> Any:
+        worker = self.workers[held.worker]
+        if held.generation != worker.generation or not worker.running:
+            ended = self._lost.get((held.worker, held.generation), "it was stopped")
+            raise EnvironmentFailure(f"not run: its environment was lost with its worker process ({ended})")
+        return self._call(held.worker, fn, args, what)
+
+    def _call(self, index: int, fn: Callable, args: tuple, what: str) -> Any:
+        worker = self.workers[index]
+        outcome = call_in_worker(worker, fn, args, self.timeout_s, "environment", what)
+        if not worker.running:  # this call ended the worker, and every environment in it
+            self._lost[(index, worker.generation)] = f"{what}: {outcome.failure}"
         if outcome.failure is not None:
             raise EnvironmentFailure(outcome.failure)
         return outcome.value
+
+
+def _in_order(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
 
 
 # ---- in the worker: the environments, by key

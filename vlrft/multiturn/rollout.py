@@ -12,13 +12,14 @@ Rollout per trajectory whose response is every action and observation in order, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 from vlrft.data.encoding import PromptEncoder
 from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
 from vlrft.errors import ConfigError
 from vlrft.models.collate import concat_mm_inputs
-from vlrft.multiturn.environment import EnvironmentFailure, as_step
+from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step
 from vlrft.multiturn.host import EnvironmentHost, Held
 from vlrft.multiturn.template import ObservationTemplate
 from vlrft.types import Prompt, Rollout
@@ -26,7 +27,7 @@ from vlrft.types import Prompt, Rollout
 
 @dataclass
 class MultiTurn:
-    environments: EnvironmentHost  # a fresh environment per trajectory, in the rank's worker process
+    environments: EnvironmentHost  # a fresh environment per trajectory, in one of the rank's worker processes
     template: ObservationTemplate
     max_turns: int
     max_tokens: int  # response tokens per trajectory: actions and observations together
@@ -81,10 +82,10 @@ class Trajectory:
         )
 
 
-def start(trajectory: Trajectory, mt: MultiTurn, fields: dict) -> None:
-    """A fresh environment for the trajectory, reset to its row; a failure ends it unstarted."""
+def start(trajectory: Trajectory, mt: MultiTurn, fields: dict, worker: int) -> None:
+    """A fresh environment for the trajectory in `worker`, reset to its row; a failure ends it unstarted."""
     try:
-        trajectory.environment = mt.environments.construct(_call("construction", trajectory))
+        trajectory.environment = mt.environments.construct(_call("construction", trajectory), worker)
     except EnvironmentFailure as failure:
         return fail(trajectory, f"construction {failure}")
     try:
@@ -107,8 +108,8 @@ def fail(trajectory: Trajectory, message: str) -> None:
     trajectory.done = True
 
 
-def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_tokens: int, last_turn: bool) -> None:
-    """Record a generated turn, then let the environment answer it (unless the trajectory ends)."""
+def record(trajectory: Trajectory, action: Rollout) -> bool:
+    """Record a generated turn; whether the environment answers it (the trajectory goes on)."""
     trajectory.add(action.response_ids, action.logprobs, trained=1)
     # last_token: the turn's last generated token in the response (where a per-turn reward goes)
     turn = {"action": action.response_text, "observation": "", "reward": 0.0, "last_token": len(trajectory.ids) - 1}
@@ -116,12 +117,23 @@ def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_token
     trajectory.truncated = action.truncated
     if action.truncated or not action.response_ids:
         trajectory.done = True
-        return
+    return not trajectory.done
+
+
+def take_step(trajectory: Trajectory, mt: MultiTurn) -> Step | EnvironmentFailure:
+    """The environment's answer to the trajectory's last turn (in the worker's thread)."""
     try:
-        step = as_step(mt.environments.step(trajectory.environment, action.response_text, _call("step", trajectory)))
+        return as_step(mt.environments.step(trajectory.environment, trajectory.turns[-1]["action"], _call("step", trajectory)))
     except EnvironmentFailure as failure:
-        fail(trajectory, f"step {failure}")
-        return
+        return failure
+
+
+def answer(trajectory: Trajectory, step: Step | EnvironmentFailure, mt: MultiTurn, last_action: list[int],
+           max_new_tokens: int, last_turn: bool) -> None:
+    """Append the environment's answer as the template wraps it, unless the trajectory ends."""
+    if isinstance(step, EnvironmentFailure):
+        return fail(trajectory, f"step {step}")
+    turn = trajectory.turns[-1]
     turn["reward"] = step.reward
     if step.done or last_turn:
         trajectory.done = True
@@ -129,9 +141,8 @@ def answer(trajectory: Trajectory, action: Rollout, mt: MultiTurn, max_new_token
     try:
         image_parts, mm_inputs, images = observation_images(step.images, mt, trajectory.prompt.id)
     except EnvironmentFailure as failure:
-        fail(trajectory, f"step {failure}")
-        return
-    observation = mt.template.observation_ids(action.response_ids[-1], step.observation, image_parts)
+        return fail(trajectory, f"step {failure}")
+    observation = mt.template.observation_ids(last_action[-1], step.observation, image_parts)
     # The next turn must fit whole: the observation and a full-length action.
     if observation is None or len(trajectory.ids) + len(observation) + max_new_tokens > mt.max_tokens:
         trajectory.done = True
@@ -174,16 +185,24 @@ def multi_turn_generate(
             raise ConfigError(f"row id {with_images.id!r} has images: multi-turn rollouts of image prompts need rollout.engine: hf")
         mt = replace(mt, encoder=None)  # images in observations: refused too (observation_images)
     trajectories = [Trajectory(p, None) for p in prompts for _ in range(params.n)]
-    for t in trajectories:
-        start(t, mt, fields_of(t.prompt))
+    host = mt.environments
+    host.each([(host.worker_for(i), partial(start, t, mt, fields_of(t.prompt), host.worker_for(i)))
+               for i, t in enumerate(trajectories)])
     for turn in range(mt.max_turns):
         running = [t for t in trajectories if not t.done]
         turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))
         actions = engine.generate([t.continuation() for t in running], turn_params)
-        for t, action in zip(running, actions):
-            answer(t, action, mt, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
+        stepping = [(t, action) for t, action in zip(running, actions) if record(t, action)]
+        steps: list = [None] * len(stepping)  # the turn's environment calls, at the same time
+        host.each([(t.environment.worker, partial(_store, steps, i, take_step, t, mt)) for i, (t, _) in enumerate(stepping)])
+        for (t, action), step in zip(stepping, steps):
+            answer(t, step, mt, action.response_ids, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
     mt.environments.release([t.environment for t in trajectories if t.environment is not None])
     return [t.rollout() for t in trajectories]
+
+
+def _store(results: list, index: int, fn: Callable, *args) -> None:
+    results[index] = fn(*args)
 
 
 def generate_rollouts(

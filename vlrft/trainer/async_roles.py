@@ -35,6 +35,8 @@ from vlrft.distributed import (
     VersionBoard,
 )
 from vlrft.distributed import world_size as role_world_size
+from vlrft.trainer.checkpoint import load_state, set_rng_state
+from vlrft.trainer.checkpoint_io import rollout_rank_state, save_checkpoint
 
 WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
 
@@ -89,6 +91,12 @@ class RolloutRanks:
         self.board = VersionBoard() if sends else None
         self.version = 0
 
+    def resume_at(self, step: int) -> None:
+        """A resumed run: the next update_weights sends the checkpoint's policy as version `step`."""
+        self.version = step - 1
+        if self.sends:
+            self.board.store.add(VersionBoard.KEY, self.version - self.board.newest())
+
     def update_weights(self, named_tensors) -> None:
         self.version += 1
         if self.sends:
@@ -106,6 +114,18 @@ class RolloutRanks:
         pass
 
 
+def resume_rollout_rank(trainer, path) -> None:
+    """A rollout rank resumes from a checkpoint: the prompt position and random streams it had
+    right after generating the checkpoint's step, and the checkpoint's policy from trainer rank
+    0 (the batches it had generated beyond that step were never trained: it generates them again)."""
+    step = load_state(path / "trainer.pt")["step"]
+    mine = load_state(path / f"rank{global_rank()}.pt")
+    trainer.global_step = step
+    trainer.sampler.consumed = mine["prompts_consumed"]
+    trainer.weights_version = receive_weights(trainer.weights_group, WEIGHTS_SOURCE, step, trainer.engine)
+    set_rng_state(mine["rng"])
+
+
 def run_role(trainer) -> list[tuple[int, float]]:
     """The asynchronous loop of this rank's role. Returns the evaluations (trainer rank 0)."""
     return run_rollout(trainer) if trainer.role == "rollout" else run_trainer(trainer)
@@ -119,7 +139,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     total, every = cfg.train.total_steps, cfg.eval.every_steps
     rollout_ranks, world = cfg.rollout.ranks, global_world_size()
     destination = trainer_of(trainer.rank, world - rollout_ranks)
-    version = 0
+    version = trainer.weights_version  # 0, or a resumed run's step
     evals: list[tuple[int, dict]] = []  # evaluations not yet sent
     taken_mid_batch = 0  # versions a partial rollout took while this batch was generated
 
@@ -150,9 +170,9 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
 
         trainer.engine.new_weights = new_weights
 
-    evaluate_if_due()
+    evaluate_if_due()  # (a resumed run evaluates its step again: discard_after dropped that line)
     pending = None  # the last batch's send, still in flight
-    for step in range(1, total + 1):
+    for step in range(trainer.global_step + 1, total + 1):
         waited = time.perf_counter()
         while version < needed_version(step, cfg.train.max_staleness):
             next_version()
@@ -160,24 +180,27 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         trainer.begin_step()
         started_at, taken_mid_batch = version, 0
         kept, generated, metrics = trainer.collect_experiences()
+        resume = rollout_rank_state(trainer)  # for the checkpoint of this step, if one is due
         metrics["async/rollout_wait_seconds"] = waited
         metrics["async/updates_mid_batch"] = float(taken_mid_batch)
         if pending is not None:
             pending.wait()
         # The batch's version is the oldest its tokens were sampled with.
-        pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept,
-                                                "generated": generated, "metrics": metrics, "evals": evals})
+        pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept, "generated": generated,
+                                                "metrics": metrics, "evals": evals, "resume": resume})
         evals = []
     while version < total:  # the remaining updates (and their evaluations)
         next_version()
-    pending.wait()
+    if pending is not None:
+        pending.wait()
     isend_object_to(destination, {"step": None, "evals": evals}).wait()
     return []
 
 
 def run_trainer(trainer) -> list[tuple[int, float]]:
     """A trainer rank: for each step, receive the batches of its rollout ranks and learn from
-    them (experience pass, update, weights to the rollout ranks); log; export at the end."""
+    them (experience pass, update, weights to the rollout ranks); log; checkpoint (with its
+    rollout ranks' states) when due; export at the end."""
     cfg = trainer.cfg
     rollout_ranks, trainers = cfg.rollout.ranks, role_world_size()
     sources = sources_of(trainer.rank, rollout_ranks, trainers)
@@ -191,7 +214,8 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
                 trainer.eval_history.append((step, metrics["eval/accuracy"]))
                 trainer.logger.log(step, metrics)
 
-    for step in range(1, cfg.train.total_steps + 1):
+    every = cfg.checkpoint.save_steps
+    for step in range(trainer.global_step + 1, cfg.train.total_steps + 1):
         waited = time.perf_counter()
         messages = receive()
         waited = time.perf_counter() - waited
@@ -209,6 +233,8 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
         log_evals(messages)
+        if every and step % every == 0:
+            save_checkpoint(trainer, {source: m["resume"] for source, m in zip(sources, messages)})
     log_evals(receive())
     trainer.export_final()
     return trainer.eval_history

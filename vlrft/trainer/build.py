@@ -77,7 +77,8 @@ def multi_turn(cfg: Config, encoder, stop_ids: list[int]) -> MultiTurn | None:
     rollout = cfg.rollout
     if not rollout.environment:
         return None
-    environments = EnvironmentHost(rollout.environment, rollout.environment_args, rollout.environment_timeout_s)
+    environments = EnvironmentHost(rollout.environment, rollout.environment_args, rollout.environment_timeout_s,
+                                   rollout.environment_workers)
     try:
         role = environments.probe()
     except EnvironmentFailure as failure:

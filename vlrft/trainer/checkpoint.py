@@ -114,10 +114,11 @@ def publish(temporary: Path, keep_last: int) -> Path:
     return final
 
 
-def discard_after(run_dir: Path, step: int) -> None:
+def discard_after(run_dir: Path, step: int, evaluation_at_step: bool = False) -> None:
     """Forget what a run did after `step` (rank 0, when resuming from `step`): later checkpoints
     and saved trajectories of the abandoned continuation, and its metric lines, so the resumed
-    run's history is one history and rotation never keeps a stale future over fresh work."""
+    run's history is one history and rotation never keeps a stale future over fresh work.
+    `evaluation_at_step`: also the evaluation logged at `step` (the resumed run makes it again)."""
     for later in complete_checkpoints(run_dir):
         if int(STEP_DIR.match(later.name)[1]) > step:
             shutil.rmtree(later, ignore_errors=True)
@@ -125,7 +126,7 @@ def discard_after(run_dir: Path, step: int) -> None:
     for saved in trajectories.glob("step_*.rank*.jsonl") if trajectories.is_dir() else []:
         if int(saved.name[len("step_") :].split(".")[0]) > step:
             saved.unlink()
-    truncate_metrics_after(Path(run_dir) / "metrics.jsonl", step)
+    truncate_metrics_after(Path(run_dir) / "metrics.jsonl", step, evaluation_at_step)
 
 
 def rng_state() -> dict:
@@ -148,17 +149,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def truncate_metrics_after(path: Path, step: int) -> None:
+def truncate_metrics_after(path: Path, step: int, evaluation_at_step: bool = False) -> None:
     """Drop metric lines logged after `step` (a killed run may have logged steps it never
-    checkpointed; the resumed run logs them again) and a line the kill cut short. Rewritten
+    checkpointed; the resumed run logs them again) and a line the kill cut short; with
+    `evaluation_at_step`, also a line of `step` holding only evaluation metrics. Rewritten
     through a temporary file and a rename, so the log is never half-written."""
     if not path.is_file():
         return
 
     def keep(line: str) -> bool:
         try:
-            return json.loads(line)["step"] <= step
-        except (json.JSONDecodeError, KeyError, TypeError):
+            record = json.loads(line)
+            if evaluation_at_step and record["step"] == step and all(k == "step" or k.startswith("eval/") for k in record):
+                return False
+            return record["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             return False
 
     temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
@@ -183,8 +188,12 @@ def load_state(path: Path) -> dict:
 
 # Keys whose value is baked into a checkpoint's state: resuming with another value would
 # silently drop or misuse that state.
+# (train.mode and rollout.ranks decide which ranks wrote which rank files.)
 STATE_SHAPING_KEYS = ("model.path", "train.seed", "train.ema_beta", "algo.kl.coef", "algo.kl.ref_ema_eta",
-                      "critic.enabled", "critic.value_norm", "rollout.rollout_prompts", "train.zero_stage")
+                      "critic.enabled", "critic.value_norm", "rollout.rollout_prompts", "train.zero_stage",
+                      "train.mode", "rollout.ranks")
+# Keys newer than some checkpoints: a config saved before them had their default.
+DEFAULT_IF_ABSENT = {"train.mode": "sync", "rollout.ranks": 0}
 
 
 def changed_state_keys(saved: dict, current: dict) -> list[str]:
@@ -192,6 +201,8 @@ def changed_state_keys(saved: dict, current: dict) -> list[str]:
 
     def value(cfg: dict, key: str):
         for part in key.split("."):
+            if part not in cfg and key in DEFAULT_IF_ABSENT:
+                return DEFAULT_IF_ABSENT[key]
             cfg = cfg[part]
         return cfg
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from vlrft.config import to_dict
-from vlrft.distributed import barrier
+from vlrft.distributed import barrier, global_rank, global_world_size
 from vlrft.trainer.checkpoint import (
     cpu_state_dict,
     clear_temporaries,
@@ -22,8 +22,17 @@ from vlrft.trainer.checkpoint import (
 )
 
 
-def save_checkpoint(trainer) -> Path:
-    """Write `trainer`'s current step as a checkpoint (collective); returns its final path."""
+def rollout_rank_state(trainer) -> dict:
+    """What an async run's rollout rank resumes from, taken right after it generated a batch:
+    it travels to its trainer with that batch, which writes it into the checkpoint of that
+    step (the rollout ranks take no part in saving)."""
+    return {"rng": rng_state(), "prompts_consumed": trainer.sampler.consumed}
+
+
+def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> Path:
+    """Write `trainer`'s current step as a checkpoint (collective over the ranks that train);
+    `rollout_states`: the rank files of an async run's rollout ranks this rank writes, by
+    global rank. Returns the checkpoint's final path."""
     temporary = temporary_dir(trainer.out_dir, trainer.global_step)
     if trainer.rank == 0:
         clear_temporaries(trainer.out_dir)
@@ -39,14 +48,16 @@ def save_checkpoint(trainer) -> Path:
             "prompts_consumed": trainer.sampler.consumed,
             "ptx_position": trainer.ptx.position if trainer.ptx is not None else 0,
         },
-        temporary / f"rank{trainer.rank}.pt",
+        temporary / f"rank{global_rank()}.pt",
     )
+    for rollout_rank, state in (rollout_states or {}).items():
+        torch.save(state, temporary / f"rank{rollout_rank}.pt")
     if trainer.rank == 0:
         moving_reference = trainer.reference is not None and trainer.cfg.algo.kl.ref_ema_eta > 0
         torch.save(
             {
                 "step": trainer.global_step,
-                "world_size": trainer.world_size,
+                "world_size": global_world_size(),
                 "config": to_dict(trainer.cfg),
                 "kl_controller": trainer.kl_controller.state_dict(),
                 "return_stats": trainer.return_stats.state_dict() if trainer.return_stats is not None else None,
@@ -71,7 +82,7 @@ def load_checkpoint(trainer, path: Path) -> None:
     """Continue exactly where the checkpoint left off (every rank). Rank 0 validated it already
     (checkpoint.resume_decision), before anything after it was discarded."""
     state = load_state(path / "trainer.pt")
-    mine = load_state(path / f"rank{trainer.rank}.pt")
+    mine = load_state(path / f"rank{global_rank()}.pt")
     trainer.backend.load_checkpoint(path / "policy")
     if trainer.critic is not None:
         trainer.critic.load_checkpoint(path / "critic")
@@ -89,7 +100,10 @@ def load_checkpoint(trainer, path: Path) -> None:
     if trainer.ptx is not None:
         trainer.ptx.position = mine["ptx_position"]
     trainer.buffer.generator.set_state(mine["buffer_generator"])
+    if trainer.role == "trainer":  # the rollout ranks get the restored policy as its step's version
+        trainer.engine.resume_at(trainer.global_step)
     trainer.engine.update_weights(trainer.policy_weights())  # serve the restored policy
     if trainer.rank == 0:
         print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
     set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+

@@ -67,7 +67,7 @@ from vlrft.distributed import (
     rank,
     world_size,
 )
-from vlrft.trainer.async_roles import WEIGHTS_SOURCE, RolloutRanks, run_role, take_async_role
+from vlrft.trainer.async_roles import WEIGHTS_SOURCE, RolloutRanks, resume_rollout_rank, run_role, take_async_role
 from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.guards import RunGuards
@@ -108,13 +108,13 @@ class SPMDTrainer:
         claim_run_dir(self.out_dir, self.rank)  # before anything in it is read, written or discarded
         resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank, to_dict(cfg), self.world_size)
         if resume_from is not None and self.rank == 0:  # validated: the abandoned future may go
-            discard_after(self.out_dir, start_step)
+            # (Async runs evaluate the step they resume at again: its first evaluation arrived after the save.)
+            discard_after(self.out_dir, start_step, evaluation_at_step=cfg.train.mode == "async")
         # Asynchronous training: this rank generates or trains, and from here on its rank and
         # world are those of its role (trainer/async_roles.py).
         self.role, self.weights_group = "both", None
+        self.weights_version = 0  # an async rollout rank's engine: the policy version it holds
         if cfg.train.mode == "async":
-            if resume_from is not None:
-                raise ConfigError(f"train.mode async cannot resume a run yet; {self.out_dir} has a checkpoint (docs/async.md)")
             self.role, self.weights_group = take_async_role(cfg.rollout.ranks)
             self.rank, self.world_size = rank(), world_size()
             torch.manual_seed(cfg.train.seed + self.rank)  # a role's rank k samples as a sync run's rank k
@@ -434,7 +434,10 @@ class SPMDTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue exactly where the checkpoint left off (every rank)."""
-        checkpoint_io.load_checkpoint(self, path)
+        if self.role == "rollout":
+            resume_rollout_rank(self, path)
+        else:
+            checkpoint_io.load_checkpoint(self, path)
 
     def _maybe_evaluate(self, step: int) -> None:
         if not self.eval_sources or not self.cfg.eval.every_steps:

@@ -16,7 +16,9 @@ prints, from the runs' metrics.jsonl:
 
 Sections: `text` is the addition task on the tiny text model, `colors` the colour demo,
 `tools` the calculator task whose tool sleeps `--tool-latency` seconds per call (an
-environment that waits on something: a sandbox, a web page, a simulator).
+environment that waits on something: a sandbox, a web page, a simulator); it also runs sync
+with one environment worker per rank (`rollout.environment_workers=1`: the calls of a turn one
+after another) to show what the worker pool buys.
 """
 
 from __future__ import annotations
@@ -125,6 +127,11 @@ def section(name: str, steps: int, latency: float, work: Path) -> None:
     print(f"sync : {rate_sync:7.1f} sequences/s  (median step {statistics.median(s['perf/step_seconds'] for s in sync):.3f} s)")
     print(f"async: {rate_async:7.1f} sequences/s  = {rate_async / rate_sync:.2f}x sync; idle: trainer {trainer_idle:.0%}, "
           f"rollout rank {rollout_idle:.0%}; staleness {dict(sorted(ages.items()))}")
+    if name == "tools":  # what the environment worker pool does for sync: its calls one at a time instead
+        serial = run(kind, task, args, work / f"{name}_sync_serial", ["rollout.environment_workers=1"])[measured:]
+        rate_serial = sequences(serial) / loop_seconds(serial)
+        print(f"sync, one environment worker per rank: {rate_serial:7.1f} sequences/s (the default 4 workers: "
+              f"{rate_sync / rate_serial:.2f}x of it)")
     # Phase times of the sync run, as GPU-seconds of one step (2 ranks worked in parallel).
     g = 2 * statistics.median(s["perf/generate_seconds"] for s in sync)
     t = 2 * statistics.median(s["perf/experience_seconds"] - s["perf/generate_seconds"] + s["perf/update_seconds"] for s in sync)

@@ -76,7 +76,7 @@ def run_training(cfg) -> int:
         history = trainer.train()
     except TrainingStopped as stopped:
         watch.stop()
-        if trainer.rank == 0:
+        if trainer.writes_output:
             print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
         shutdown_distributed()
         return 128 + stopped.signum

@@ -449,13 +449,14 @@ def optimizer_steps_of_run(cfg: Config) -> int:
 
 
 def rollout_correction_mode(cfg: Config) -> str:
-    """algo.rollout_correction with `auto` resolved (tis where async training samples from
-    older weights than it trains, else none)."""
+    """algo.rollout_correction with `auto` resolved: behaviour (PPO's clip around the policy
+    that sampled) where async training samples from older weights than it trains, else none.
+    (On the colour demo at staleness 1, tis let the delayed updates overshoot: docs/async.md.)"""
     mode = cfg.algo.rollout_correction
     if mode != "auto":
         return mode
     off_policy = cfg.train.mode == "async" and (cfg.train.max_staleness > 0 or cfg.train.partial_rollouts)
-    return "tis" if off_policy else "none"
+    return "behaviour" if off_policy else "none"
 
 
 def kl_estimator_name(kl: KLConfig) -> str:

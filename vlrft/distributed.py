@@ -330,10 +330,14 @@ def received_weights(group, source: int) -> Iterator[tuple[str, torch.Tensor]]:
 
 class VersionBoard:
     """The newest weights version trainer rank 0 has announced, on the job's key-value store: a
-    rollout rank reads it between two decoding steps without joining a collective (partial
-    rollouts), then takes the broadcast that follows the announcement."""
+    rollout rank reads it without joining a collective (between two decoding steps, or before it
+    waits for a broadcast), then takes the broadcast that follows the announcement. Also where
+    the trainers post the step they stopped after (a signal), so that no rollout rank waits for
+    a broadcast that will not come."""
 
     KEY = "vlrft/async/weights_version"
+    STOP_KEY = "vlrft/async/stopped_after"
+    RECEIVED_KEY = "vlrft/async/received_from/"  # + a rollout rank's global rank: its batches received
 
     def __init__(self):
         self.store = watch_store(PROCESS_GROUP_TIMEOUT.total_seconds())
@@ -344,6 +348,21 @@ class VersionBoard:
 
     def newest(self) -> int:
         return self.store.add(self.KEY, 0)
+
+    def stop(self, step: int) -> None:
+        self.store.add(self.STOP_KEY, step)
+
+    def stopped_after(self) -> int:
+        """The step the trainers stopped after; 0 while they go on."""
+        return self.store.add(self.STOP_KEY, 0)
+
+    def acknowledge(self, source: int) -> None:
+        """A trainer received one more batch from rollout rank `source` (a global rank)."""
+        self.store.add(self.RECEIVED_KEY + str(source), 1)
+
+    def received(self, source: int) -> int:
+        """Batches of rollout rank `source` received so far (gloo's sends cannot be polled)."""
+        return self.store.add(self.RECEIVED_KEY + str(source), 0)
 
 
 class WeightsError(VlrftError, RuntimeError):

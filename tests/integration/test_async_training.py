@@ -163,6 +163,48 @@ def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zer
         assert sorted(set(trained)) == expected and len(trained) == 16, step  # 4 prompts x 4 responses
 
 
+def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(tiny_text, addition_data, tmp_path):
+    """SIGTERM to torchrun (which passes it to every rank): the trainer finishes its step, saves
+    a checkpoint with the rollout rank's state and posts the stop; the rollout rank stops at its
+    next wait instead of waiting for weights that will not come. The rerun resumes there."""
+    import signal
+    import time
+
+    (tmp_path / "recipe.py").write_text(HELD_RECIPE)
+    config = {
+        "model": {"path": tiny_text},
+        "data": {"train_path": str(addition_data / "train.jsonl")},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": 1},
+        "train": {"total_steps": 5, "lr": 1e-2, "micro_batch_tokens": 200, "mode": "async", "max_staleness": 1},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
+        "eval": {"every_steps": 0},
+        "trajectory": {"save_every": 1},
+        "checkpoint": {"save_steps": 0},  # the only checkpoint is the one the signal asks for
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "hold_signal").touch()  # HELD_RECIPE: reward calls wait once step 1's trajectories exist
+    proc = launch(path, ranks=2)
+    first_step = tmp_path / "run" / "trajectories" / "step_000001.rank0.jsonl"
+    while not first_step.is_file():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    (tmp_path / "hold_signal").unlink()
+    out, _ = proc.communicate(timeout=120)
+    assert "stopped by signal SIGTERM after step" in out and "run the same command again to resume" in out, out[-4000:]
+    assert "SIGKILL" not in out  # every rank ended by itself, within torchrun's grace period
+    (saved,) = (tmp_path / "run" / "checkpoints").iterdir()
+    stopped_at = int(saved.name.split("_")[1])
+    assert sorted(p.name for p in saved.iterdir()) == ["policy", "rank0.pt", "rank1.pt", "trainer.pt"]
+
+    out = finish(launch(path, ranks=2))
+    assert f"at step {stopped_at}" in out
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5]
+
+
 def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> None:
     import time
 

@@ -87,3 +87,17 @@ def test_when_the_policy_pass_is_skipped(overrides, skipped):
         *path, name = key.split(".")
         setattr(functools.reduce(getattr, path, cfg), name, value)
     assert old_logprobs_from_update(cfg) is skipped
+
+
+def test_behaviour_takes_the_ppo_ratio_against_the_engines_logprobs(tiny_text, addition_data, tmp_path, world_of_one):
+    """algo.rollout_correction behaviour: no weights; the ratio (and so PPO's clip) is pi_theta
+    over the engine's logprob of each sampled token. Before the step pi_theta is the trainer's
+    old policy, so the update's mean ratio is the mean of pi_old / pi_engine, by hand."""
+    trainer = build_trainer(tiny_text, addition_data, tmp_path, ["train.lr=0.001", "algo.rollout_correction=behaviour"])
+    experiences = scored_prompts(trainer)
+    perturb(trainer)  # the engine sampled with the weights from before
+    filled, made, update = finish_and_update(trainer, experiences, policy_pass=False)
+    ratios = torch.cat([torch.exp(e.old_logprobs - torch.tensor(e.rollout.logprobs)) for e in filled])
+    assert float(ratios.std()) > 0.05  # far from 1: the clip has work to do
+    assert update["train/ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-4)
+    assert 0 < update["train/clip_frac"] < 1

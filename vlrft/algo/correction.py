@@ -5,7 +5,11 @@ r_t = pi_old(t) / pi_engine(t) per sampled token (docs/algorithms.md, "Rollout c
 - `tis`: truncated importance sampling, weight min(r_t, cap) on the policy-gradient term;
 - `mis`: masked importance sampling at sequence level, a response whose geometric-mean ratio
   exp(mean_t log r_t) leaves [low, high] is left out of the policy-gradient term;
-- `icepop`: two-sided token masking, tokens with r_t outside [low, high] carry no gradient.
+- `icepop`: two-sided token masking, tokens with r_t outside [low, high] carry no gradient;
+- `behaviour`: no weight; the PPO ratio is taken against the engine's logprobs instead of the
+  trainer's old ones, so its clip bounds each update around the policy that sampled (verl's
+  bypass mode). For stale samples (async training) the clip then stops pushing tokens that the
+  updates since sampling already pushed past 1 +- eps.
 
 The weights multiply only the policy-gradient term; the loss denominators keep every token.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "behaviour")
 
 
 def correction_weights(
@@ -24,7 +28,7 @@ def correction_weights(
     mask = mask.to(old_logp.dtype)
     log_ratio = (old_logp - engine_logp).clamp(-20.0, 20.0) * mask  # [N, R] log pi_old / pi_engine
     ratio = torch.exp(log_ratio)
-    if mode == "none":
+    if mode in ("none", "behaviour"):  # (behaviour: the update's ratio uses the engine's logprobs)
         weights = torch.ones_like(ratio)
     elif mode == "tis":
         weights = ratio.clamp(max=cap)

@@ -17,6 +17,7 @@ group (vlrft.distributed.take_role); the roles meet only in the messages below.
 
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -35,10 +36,11 @@ from vlrft.distributed import (
     VersionBoard,
 )
 from vlrft.distributed import world_size as role_world_size
-from vlrft.trainer.checkpoint import load_state, set_rng_state
-from vlrft.trainer.checkpoint_io import rollout_rank_state, save_checkpoint
+from vlrft.trainer.checkpoint import load_state, set_rng_state, step_dir_name
+from vlrft.trainer.checkpoint_io import TrainingStopped, rollout_rank_state, save_checkpoint
 
 WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
+POLL_S = 0.01  # how often a waiting rollout rank looks at the job's store
 
 
 def role_ranks(rollout_ranks: int, world: int) -> tuple[list[int], list[int]]:
@@ -151,13 +153,33 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             if trainer.rank == 0:  # the same numbers on every rollout rank: one sends them
                 evals.append((version, metrics))
 
+    board = VersionBoard()
+
+    def stop_if_the_trainers_stopped() -> None:
+        step = board.stopped_after()
+        if step:
+            checkpoint = trainer.out_dir / "checkpoints" / step_dir_name(step)
+            raise TrainingStopped(step, checkpoint, trainer.stop_signal or signal.SIGTERM)
+
+    sent = 0  # batches sent to the trainer
+
+    def wait_until_received(pending) -> None:
+        """The trainer received every batch sent (it acknowledges each on the store), or stopped."""
+        while board.received(global_rank()) < sent:
+            stop_if_the_trainers_stopped()
+            time.sleep(POLL_S)
+        if pending is not None:
+            pending.wait()
+
     def next_version() -> None:
         nonlocal version
+        while board.newest() <= version:  # trainer rank 0 announces each version before it sends it
+            stop_if_the_trainers_stopped()
+            time.sleep(POLL_S)
         version = receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version + 1, trainer.engine)
         evaluate_if_due()
 
     if cfg.train.partial_rollouts:
-        board = VersionBoard()
 
         def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
             nonlocal taken_mid_batch
@@ -183,16 +205,17 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         resume = rollout_rank_state(trainer)  # for the checkpoint of this step, if one is due
         metrics["async/rollout_wait_seconds"] = waited
         metrics["async/updates_mid_batch"] = float(taken_mid_batch)
-        if pending is not None:
-            pending.wait()
-        # The batch's version is the oldest its tokens were sampled with.
+        wait_until_received(pending)
+        # The batch's version is the oldest its tokens were sampled with. A signal this rank got
+        # travels with it: the trainers stop after that step, saving a checkpoint.
         pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept, "generated": generated,
-                                                "metrics": metrics, "evals": evals, "resume": resume})
+                                                "metrics": metrics, "evals": evals, "resume": resume,
+                                                "signal": trainer.stop_signal})
+        sent += 1
         evals = []
     while version < total:  # the remaining updates (and their evaluations)
         next_version()
-    if pending is not None:
-        pending.wait()
+    wait_until_received(pending)
     isend_object_to(destination, {"step": None, "evals": evals}).wait()
     return []
 
@@ -204,9 +227,13 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
     cfg = trainer.cfg
     rollout_ranks, trainers = cfg.rollout.ranks, role_world_size()
     sources = sources_of(trainer.rank, rollout_ranks, trainers)
+    board = VersionBoard()
 
     def receive() -> list[dict]:
-        return [recv_object_from(source) for source in sources]
+        messages = [recv_object_from(source) for source in sources]
+        for source in sources:
+            board.acknowledge(source)
+        return messages
 
     def log_evals(messages: list[dict]) -> None:
         for message in messages:
@@ -233,8 +260,17 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
         log_evals(messages)
-        if every and step % every == 0:
-            save_checkpoint(trainer, {source: m["resume"] for source, m in zip(sources, messages)})
+        # A signal on any rank (a rollout rank's came with its batch) stops the run after this step.
+        signals = [trainer.stop_signal] + [m["signal"] for m in messages]
+        signum = next((s for s in signals if s is not None), 0)
+        stop = all_reduce_max_int(signum)
+        if stop or (every and step % every == 0):
+            saved = save_checkpoint(trainer, {source: m["resume"] for source, m in zip(sources, messages)})
+        if stop:
+            if trainer.rank == 0:
+                board.stop(step)  # the rollout ranks stop at their next wait
+            trainer.logger.close()
+            raise TrainingStopped(step, saved, stop)
     log_evals(receive())
     trainer.export_final()
     return trainer.eval_history

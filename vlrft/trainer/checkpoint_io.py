@@ -3,6 +3,7 @@ checks: trainer/checkpoint.py). Kept apart from the loop so the loop file stays 
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import torch
@@ -20,6 +21,14 @@ from vlrft.trainer.checkpoint import (
     step_dir_name,
     temporary_dir,
 )
+
+
+class TrainingStopped(Exception):
+    """Training ended early on a signal, after saving a checkpoint to resume from."""
+
+    def __init__(self, step: int, checkpoint: Path, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
+        self.step, self.checkpoint, self.signum = step, checkpoint, signum
 
 
 def rollout_rank_state(trainer) -> dict:

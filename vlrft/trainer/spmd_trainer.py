@@ -56,6 +56,7 @@ from vlrft.trainer.build import (
     update_settings,
 )
 from vlrft.trainer import checkpoint_io
+from vlrft.trainer.checkpoint_io import TrainingStopped
 from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
 from vlrft.trainer.run_lock import claim_run_dir
 from vlrft.trainer.critic_update import critic_update
@@ -78,14 +79,6 @@ from vlrft.trainer.step_api import response_logprobs, train_on_responses
 from vlrft.trainer.update import policy_update
 from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
-
-
-class TrainingStopped(Exception):
-    """Training ended early on a signal, after saving a checkpoint to resume from."""
-
-    def __init__(self, step: int, checkpoint: Path, signum: int):
-        super().__init__(f"stopped by signal {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
-        self.step, self.checkpoint, self.signum = step, checkpoint, signum
 
 
 class SPMDTrainer:
@@ -197,12 +190,11 @@ class SPMDTrainer:
         self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
         self.eval_history: list[tuple[int, float]] = []
         self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
-        # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops.
-        # (Async training cannot checkpoint yet: there a signal ends the process.)
+        # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops
+        # (async: the trainers decide, after the step a signal reached any rank in).
         self.stop_signal: int | None = None
         for signum in (signal.SIGTERM, signal.SIGINT):
-            if self.role == "both":
-                signal.signal(signum, self._request_stop)
+            signal.signal(signum, self._request_stop)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
 

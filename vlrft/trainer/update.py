@@ -246,9 +246,11 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
                 old = logp.detach()  # [S, R] the ratio is exactly 1
             else:
                 old = sample_rows(batch, "old_logprobs", here)  # [S, R]
+            if correction.mode == "behaviour":  # the ratio against the policy that sampled (algo/correction.py)
+                old = engine_logprob_rows(batch.samples, device=here)
             adv = sample_rows(batch, "advantages", here)  # [S, R]
             pg, clip_hit = policy_loss(settings.policy_loss, logp, old, adv, mask, settings.loss)
-            if correction.mode != "none":  # engine-mismatch weights (algo/correction.py)
+            if correction.mode not in ("none", "behaviour"):  # engine-mismatch weights (algo/correction.py)
                 if old_from_update:
                     weights = correction_weights(
                         old, engine_logprob_rows(batch.samples, device=here), mask, correction.mode, correction.cap,

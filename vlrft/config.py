@@ -450,13 +450,18 @@ def optimizer_steps_of_run(cfg: Config) -> int:
 
 def rollout_correction_mode(cfg: Config) -> str:
     """algo.rollout_correction with `auto` resolved: behaviour (PPO's clip around the policy
-    that sampled) where async training samples from older weights than it trains, else none.
+    that sampled; tis under top-p) where async training samples from older weights than it
+    trains, else none.
     (On the colour demo at staleness 1, tis let the delayed updates overshoot: docs/async.md.)"""
     mode = cfg.algo.rollout_correction
     if mode != "auto":
         return mode
     off_policy = cfg.train.mode == "async" and (cfg.train.max_staleness > 0 or cfg.train.partial_rollouts)
-    return "behaviour" if off_policy else "none"
+    if not off_policy:
+        return "none"
+    # Under top-p the engine's logprobs are of the nucleus alone: a ratio against them sits
+    # below 1 even on-policy, so weigh by it (tis) instead.
+    return "behaviour" if cfg.rollout.top_p == 1.0 else "tis"
 
 
 def kl_estimator_name(kl: KLConfig) -> str:

@@ -101,6 +101,8 @@ def _validate_mode(cfg: Config) -> None:
     unsupported = [
         ("train.ema_beta", cfg.train.ema_beta > 0, "0"),
         ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
+        # A step that leaves the policy frozen sends no weights: the rollout ranks would wait.
+        ("critic.freeze_actor_steps", cfg.critic.freeze_actor_steps > 0, "0"),
         # vLLM's start-up builds its world group with torch.distributed.new_group over the whole
         # job, a collective the trainer ranks never join: it hangs (docs/async.md, "Not yet").
         ("rollout.engine", cfg.rollout.engine != "hf", "hf"),
@@ -241,6 +243,9 @@ def _validate_rollout_correction(cfg: Config, need) -> None:
     default = AlgoConfig()
     need(algo.rollout_correction_cap == default.rollout_correction_cap or mode == "tis",
          f"config key 'algo.rollout_correction_cap' applies to rollout_correction tis, not '{mode}'")
+    need(mode != "behaviour" or cfg.rollout.top_p == 1.0,
+         "algo.rollout_correction behaviour needs rollout.top_p 1: under top-p the engine's logprobs are of the nucleus "
+         "alone, so the ratio against them sits below 1 even on-policy (use tis)")
     band = (algo.rollout_correction_low, algo.rollout_correction_high)
     need(band == (default.rollout_correction_low, default.rollout_correction_high) or mode in ("mis", "icepop"),
          f"config keys 'algo.rollout_correction_low' / '_high' apply to rollout_correction mis and icepop, not '{mode}'")

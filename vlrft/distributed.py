@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import json
 import os
 import pickle
 import socket
@@ -338,6 +339,7 @@ class VersionBoard:
     KEY = "vlrft/async/weights_version"
     STOP_KEY = "vlrft/async/stopped_after"
     RECEIVED_KEY = "vlrft/async/received_from/"  # + a rollout rank's global rank: its batches received
+    EVALUATION_KEY = "vlrft/async/evaluation/"  # + a weights version: its held-out metrics
 
     def __init__(self):
         self.store = watch_store(PROCESS_GROUP_TIMEOUT.total_seconds())
@@ -355,6 +357,17 @@ class VersionBoard:
     def stopped_after(self) -> int:
         """The step the trainers stopped after; 0 while they go on."""
         return self.store.add(self.STOP_KEY, 0)
+
+    def post_evaluation(self, version: int, metrics: dict[str, float]) -> None:
+        """The evaluation of weights `version` (rollout rank 0), for trainer rank 0 to log."""
+        self.store.set(f"{self.EVALUATION_KEY}{version}", json.dumps(metrics))
+
+    def has_evaluation(self, version: int) -> bool:
+        return self.store.check([f"{self.EVALUATION_KEY}{version}"])
+
+    def evaluation(self, version: int) -> dict[str, float]:
+        """The evaluation of weights `version` (waits until it is posted)."""
+        return json.loads(self.store.get(f"{self.EVALUATION_KEY}{version}"))
 
     def acknowledge(self, source: int) -> None:
         """A trainer received one more batch from rollout rank `source` (a global rank)."""

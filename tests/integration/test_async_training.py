@@ -88,6 +88,16 @@ def test_stale_batches_train_on_several_ranks_of_each_role(ranks, rollout_ranks,
     assert (tmp_path / "async" / "final" / "config.json").is_file()
 
 
+def test_staleness_two_takes_weights_while_its_batch_waits(tiny_text, addition_data, tmp_path):
+    """With S = 2 the trainer sends version i - 1 before it receives batch i + 1 (generated
+    with older weights): the rollout rank takes the weights while it waits for the receipt
+    (a wait for the receipt alone deadlocked). No batch is older than 2 updates."""
+    metrics, _ = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1}, mode="async",
+                     max_staleness=2, total_steps=6)
+    assert all(metrics[step]["async/staleness_max"] <= 2 for step in range(1, 7))
+    assert metrics[6]["train/optimizer_steps"] == 1.0
+
+
 def test_weights_arrive_exactly_and_a_skipped_version_stops_the_rollout_rank(tmp_path):
     worker = Path(__file__).with_name("weights_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)]

@@ -166,6 +166,7 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
 
 @pytest.mark.parametrize("override, works", [
     ("train.ema_beta=0.9", "0"),
+    ("algo.advantage=gae critic.enabled=true critic.freeze_actor_steps=2", "0"),
     ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),
     ("rollout.engine=vllm", "hf"),
 ])
@@ -187,4 +188,7 @@ def test_rollout_correction_auto_corrects_only_where_async_samples_from_older_we
     assert mode(*async_run, "train.max_staleness=0") == "none"  # the synchronous schedule
     assert mode(*async_run, "train.max_staleness=0", "train.partial_rollouts=true") == "behaviour"
     assert mode(*async_run, "algo.rollout_correction=icepop") == "icepop"
+    assert mode(*async_run, "rollout.top_p=0.9") == "tis"  # the engine's logprobs are the nucleus's
+    with pytest.raises(ConfigError, match="behaviour needs rollout.top_p 1"):
+        mode("algo.rollout_correction=behaviour", "rollout.top_p=0.9")
     assert mode("algo.rollout_correction=mis") == "mis"

@@ -12,7 +12,8 @@ Batch i is trained at version i - 1, so a batch generated with version v is at m
 S = `train.max_staleness` updates old when it trains: the rollout ranks wait for weights (they
 throttle) rather than drop late samples. S = 0 is the synchronous schedule, step for step.
 Each rank's collectives (rank balance, metrics, DeepSpeed's gradients) run within its role's
-group (vlrft.distributed.take_role); the roles meet only in the messages below.
+group (vlrft.distributed.take_role); the roles meet only in the messages above and on the
+job's key-value store (VersionBoard: versions announced, batches received, evaluations, a stop).
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def needed_version(step: int, max_staleness: int) -> int:
 def staleness(step: int, version: int) -> int:
     """Updates between the weights that generated batch `step` and the ones it trains at."""
     return step - 1 - version
+
+
+def evaluation_due(version: int, every: int, total: int, sources: list) -> bool:
+    """Whether the rollout ranks evaluate weights `version` (step 0, every `every`, the last)."""
+    return bool(every and sources) and (version % every == 0 or version == total)
 
 
 def take_async_role(rollout_ranks: int):
@@ -142,16 +148,15 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     rollout_ranks, world = cfg.rollout.ranks, global_world_size()
     destination = trainer_of(trainer.rank, world - rollout_ranks)
     version = trainer.weights_version  # 0, or a resumed run's step
-    evals: list[tuple[int, dict]] = []  # evaluations not yet sent
     taken_mid_batch = 0  # versions a partial rollout took while this batch was generated
 
     def evaluate_if_due() -> None:
-        if every and trainer.eval_sources and (version % every == 0 or version == total):
+        if evaluation_due(version, every, total, trainer.eval_sources):
             hook, trainer.engine.new_weights = trainer.engine.new_weights, None  # (no update inside evaluation)
             metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
             trainer.engine.new_weights = hook
-            if trainer.rank == 0:  # the same numbers on every rollout rank: one sends them
-                evals.append((version, metrics))
+            if trainer.rank == 0:  # the same numbers on every rollout rank: one posts them
+                board.post_evaluation(version, metrics)
 
     board = VersionBoard()
 
@@ -164,8 +169,13 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     sent = 0  # batches sent to the trainer
 
     def wait_until_received(pending) -> None:
-        """The trainer received every batch sent (it acknowledges each on the store), or stopped."""
+        """Until the trainer has received every batch sent (it acknowledges each on the store),
+        take the weights it sends meanwhile: with S >= 2 it sends a version before it receives
+        the batch, and a rollout rank that waited only for the receipt would deadlock it."""
         while board.received(global_rank()) < sent:
+            if board.newest() > version:
+                next_version()
+                continue
             stop_if_the_trainers_stopped()
             time.sleep(POLL_S)
         if pending is not None:
@@ -209,14 +219,11 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         # The batch's version is the oldest its tokens were sampled with. A signal this rank got
         # travels with it: the trainers stop after that step, saving a checkpoint.
         pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept, "generated": generated,
-                                                "metrics": metrics, "evals": evals, "resume": resume,
-                                                "signal": trainer.stop_signal})
+                                                "metrics": metrics, "resume": resume, "signal": trainer.stop_signal})
         sent += 1
-        evals = []
     while version < total:  # the remaining updates (and their evaluations)
         next_version()
     wait_until_received(pending)
-    isend_object_to(destination, {"step": None, "evals": evals}).wait()
     return []
 
 
@@ -235,11 +242,20 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
             board.acknowledge(source)
         return messages
 
-    def log_evals(messages: list[dict]) -> None:
-        for message in messages:
-            for step, metrics in message["evals"]:
-                trainer.eval_history.append((step, metrics["eval/accuracy"]))
-                trainer.logger.log(step, metrics)
+    next_evaluation = trainer.global_step  # (a resumed run's rollout ranks evaluate its step again)
+
+    def log_evaluations(upto: int, wait: bool) -> None:
+        """Log the rollout ranks' evaluations of versions up to `upto` in order (trainer rank 0,
+        the one that logs); `wait`: for each that is due, else only those posted already."""
+        nonlocal next_evaluation
+        while trainer.writes_output and next_evaluation <= upto:
+            if evaluation_due(next_evaluation, cfg.eval.every_steps, cfg.train.total_steps, trainer.eval_sources):
+                if not wait and not board.has_evaluation(next_evaluation):
+                    return
+                metrics = board.evaluation(next_evaluation)
+                trainer.eval_history.append((next_evaluation, metrics["eval/accuracy"]))
+                trainer.logger.log(next_evaluation, metrics)
+            next_evaluation += 1
 
     every = cfg.checkpoint.save_steps
     for step in range(trainer.global_step + 1, cfg.train.total_steps + 1):
@@ -259,18 +275,22 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         metrics["async/trainer_wait_seconds"] = waited
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
-        log_evals(messages)
-        # A signal on any rank (a rollout rank's came with its batch) stops the run after this step.
+        log_evaluations(step, wait=False)
+        # A signal on any rank (a rollout rank's came with its batch) stops the run after this
+        # step; after the last one the run simply ends.
         signals = [trainer.stop_signal] + [m["signal"] for m in messages]
         signum = next((s for s in signals if s is not None), 0)
-        stop = all_reduce_max_int(signum)
+        stop = all_reduce_max_int(signum) if step < cfg.train.total_steps else 0
         if stop or (every and step % every == 0):
+            # Every version before this step was evaluated already (the rollout ranks evaluate a
+            # version as they take it, before they take the next): the checkpoint holds them all.
+            log_evaluations(step - 1, wait=True)
             saved = save_checkpoint(trainer, {source: m["resume"] for source, m in zip(sources, messages)})
         if stop:
             if trainer.rank == 0:
                 board.stop(step)  # the rollout ranks stop at their next wait
             trainer.logger.close()
             raise TrainingStopped(step, saved, stop)
-    log_evals(receive())
+    log_evaluations(cfg.train.total_steps, wait=True)
     trainer.export_final()
     return trainer.eval_history

@@ -6,7 +6,9 @@ A checkpoint is a directory `output.dir/checkpoints/step_NNNNNN/`:
     trainer.pt         step, KL controller, return statistics, policy EMA, moving reference,
                        evaluation history (rank 0)
     rank<R>.pt         what differs per rank: RNG states (python, numpy, torch), the replay
-                       buffer's shuffle generator, the prompt and PTX stream positions
+                       buffer's shuffle generator, the prompt and PTX stream positions (an
+                       async run's rollout ranks: RNG states and prompt position, written by
+                       their trainers)
 
 Everything is first written to `checkpoints/.tmp-step_NNNNNN/`, and only when every rank has
 finished is that directory renamed to `step_NNNNNN` (a rename is atomic), so a run killed

@@ -211,6 +211,14 @@ def policy_update(
     return metrics
 
 
+def behaviour_rows(samples: list, old: torch.Tensor) -> torch.Tensor:
+    """The engine's logprob of each response token, [S, R] like `old`; a sample whose engine
+    reported none (the step API's responses, a placeholder) keeps its `old` row."""
+    engine = engine_logprob_rows(samples, old.shape[1], device=old.device)
+    reported = torch.tensor([rollout_of(s).logprobs is not None for s in samples], device=old.device)
+    return torch.where(reported[:, None], engine, old)
+
+
 def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_coef, reference, old_from_update) -> dict[str, float]:
     """One optimizer step over the micro-batches; its metrics, or {} when it was skipped for a
     non-finite loss. `old_from_update`: the old logprobs are this forward's own, detached."""
@@ -247,7 +255,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
             else:
                 old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             if correction.mode == "behaviour":  # the ratio against the policy that sampled (algo/correction.py)
-                old = engine_logprob_rows(batch.samples, device=here)
+                old = behaviour_rows(batch.samples, old)
             adv = sample_rows(batch, "advantages", here)  # [S, R]
             pg, clip_hit = policy_loss(settings.policy_loss, logp, old, adv, mask, settings.loss)
             if correction.mode not in ("none", "behaviour"):  # engine-mismatch weights (algo/correction.py)

@@ -92,12 +92,15 @@ def test_when_the_policy_pass_is_skipped(overrides, skipped):
 def test_behaviour_takes_the_ppo_ratio_against_the_engines_logprobs(tiny_text, addition_data, tmp_path, world_of_one):
     """algo.rollout_correction behaviour: no weights; the ratio (and so PPO's clip) is pi_theta
     over the engine's logprob of each sampled token. Before the step pi_theta is the trainer's
-    old policy, so the update's mean ratio is the mean of pi_old / pi_engine, by hand."""
+    old policy, so the update's mean ratio is the mean of pi_old / pi_engine, by hand (1 on a
+    response without engine logprobs)."""
     trainer = build_trainer(tiny_text, addition_data, tmp_path, ["train.lr=0.001", "algo.rollout_correction=behaviour"])
     experiences = scored_prompts(trainer)
     perturb(trainer)  # the engine sampled with the weights from before
+    experiences[0].rollout.logprobs = None  # a response the engine reported no logprobs for keeps pi_old
     filled, made, update = finish_and_update(trainer, experiences, policy_pass=False)
-    ratios = torch.cat([torch.exp(e.old_logprobs - torch.tensor(e.rollout.logprobs)) for e in filled])
+    ratios = torch.cat([torch.ones_like(e.old_logprobs) if e.rollout.logprobs is None else
+                        torch.exp(e.old_logprobs - torch.tensor(e.rollout.logprobs)) for e in filled])
     assert float(ratios.std()) > 0.05  # far from 1: the clip has work to do
     assert update["train/ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-4)
     assert 0 < update["train/clip_frac"] < 1

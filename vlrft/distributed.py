@@ -161,6 +161,11 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group or _ROLE_GROUP) if dist.is_initialized() else 1
 
 
+def backend_name() -> str:
+    """The world's torch.distributed backend (gloo, nccl)."""
+    return dist.get_backend()
+
+
 def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

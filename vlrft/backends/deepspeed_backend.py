@@ -27,7 +27,7 @@ import deepspeed  # noqa: E402  (after the environment above)
 from deepspeed.runtime import compiler as deepspeed_compiler  # noqa: E402
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
-from vlrft.distributed import barrier, rank, role_group, self_group, world_size  # noqa: E402
+from vlrft.distributed import backend_name, barrier, rank, role_group, self_group, world_size  # noqa: E402
 
 
 def _import_deepspeed_muon_uncompiled() -> None:
@@ -74,7 +74,7 @@ def route_world_collectives(group) -> None:
     (The trainers are global ranks 0..M-1, so DeepSpeed's "global rank 0" stays the same rank.)"""
     from deepspeed import comm as ds_comm
 
-    ds_comm.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # over the existing world
+    ds_comm.init_distributed(dist_backend=backend_name(), verbose=False)  # over the existing world
     backend = ds_comm.comm.cdb  # every deepspeed.comm function calls this object's method
     if getattr(backend, "vlrft_world", None) is not None:
         return

@@ -356,6 +356,10 @@ class VersionBoard:
     def newest(self) -> int:
         return self.store.add(self.KEY, 0)
 
+    def advance_to(self, version: int) -> None:
+        """Count `version` as announced already (a resumed run starts from its checkpoint's)."""
+        self.store.add(self.KEY, version - self.newest())
+
     def stop(self, step: int) -> None:
         self.store.add(self.STOP_KEY, step)
 

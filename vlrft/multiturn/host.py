@@ -56,22 +56,28 @@ class EnvironmentHost:
         self.release([Held(key, 0, self.workers[0].generation)])
         return role
 
-    def each(self, jobs: list[tuple[int, Callable[[], None]]]) -> None:
+    def each(self, jobs: list[tuple[int, Callable[[], Any]]]) -> list[Any]:
         """Run the jobs, each a (worker index, function making calls into that worker): one
-        worker's jobs in order, different workers' at the same time. What a job raises (a
-        stalled step's CallStalled) is raised here once every job has ended."""
+        worker's jobs in order, different workers' at the same time. Returns what each job
+        returned, in the jobs' order; what a job raises (a stalled step's CallStalled) is
+        raised here once every job has ended."""
         if self._threads is None:
-            for _, job in jobs:
-                job()
-            return
-        by_worker: dict[int, list[Callable[[], None]]] = {}
-        for worker, job in jobs:
-            by_worker.setdefault(worker, []).append(job)
-        running = [self._threads.submit(_in_order, queue) for queue in by_worker.values()]
+            return [job() for _, job in jobs]
+        by_worker: dict[int, list[int]] = {}
+        for index, (worker, _) in enumerate(jobs):
+            by_worker.setdefault(worker, []).append(index)
+        results: list[Any] = [None] * len(jobs)
+
+        def in_order(indices: list[int]) -> None:
+            for index in indices:
+                results[index] = jobs[index][1]()
+
+        running = [self._threads.submit(in_order, indices) for indices in by_worker.values()]
         for done in running:
             done.exception()  # waits: every job ends before one's error is raised
         for done in running:
             done.result()
+        return results
 
     def worker_for(self, index: int) -> int:
         """The worker of the `index`-th trajectory of a batch (round robin)."""
@@ -122,11 +128,6 @@ class EnvironmentHost:
         if outcome.failure is not None:
             raise EnvironmentFailure(outcome.failure)
         return outcome.value
-
-
-def _in_order(jobs: list[Callable[[], None]]) -> None:
-    for job in jobs:
-        job()
 
 
 # ---- in the worker: the environments, by key

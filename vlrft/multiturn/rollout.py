@@ -193,16 +193,12 @@ def multi_turn_generate(
         turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))
         actions = engine.generate([t.continuation() for t in running], turn_params)
         stepping = [(t, action) for t, action in zip(running, actions) if record(t, action)]
-        steps: list = [None] * len(stepping)  # the turn's environment calls, at the same time
-        host.each([(t.environment.worker, partial(_store, steps, i, take_step, t, mt)) for i, (t, _) in enumerate(stepping)])
+        # The turn's environment calls, at the same time.
+        steps = host.each([(t.environment.worker, partial(take_step, t, mt)) for t, _ in stepping])
         for (t, action), step in zip(stepping, steps):
             answer(t, step, mt, action.response_ids, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
     mt.environments.release([t.environment for t in trajectories if t.environment is not None])
     return [t.rollout() for t in trajectories]
-
-
-def _store(results: list, index: int, fn: Callable, *args) -> None:
-    results[index] = fn(*args)
 
 
 def generate_rollouts(

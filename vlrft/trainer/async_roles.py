@@ -37,8 +37,8 @@ from vlrft.distributed import (
     VersionBoard,
 )
 from vlrft.distributed import world_size as role_world_size
-from vlrft.trainer.checkpoint import load_state, set_rng_state, step_dir_name
-from vlrft.trainer.checkpoint_io import TrainingStopped, rollout_rank_state, save_checkpoint
+from vlrft.trainer.checkpoint import checkpoint_dir, load_state, rng_state, set_rng_state
+from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
 
 WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
 POLL_S = 0.01  # how often a waiting rollout rank looks at the job's store
@@ -103,7 +103,7 @@ class RolloutRanks:
         """A resumed run: the next update_weights sends the checkpoint's policy as version `step`."""
         self.version = step - 1
         if self.sends:
-            self.board.store.add(VersionBoard.KEY, self.version - self.board.newest())
+            self.board.advance_to(self.version)
 
     def update_weights(self, named_tensors) -> None:
         self.version += 1
@@ -120,6 +120,13 @@ class RolloutRanks:
 
     def wake(self) -> None:
         pass
+
+
+def rollout_rank_state(trainer) -> dict:
+    """What a rollout rank resumes from, taken right after it generated a batch: it travels to
+    its trainer with that batch, which writes it into the checkpoint of that step as this
+    rank's rank file (the rollout ranks take no part in saving)."""
+    return {"rng": rng_state(), "prompts_consumed": trainer.sampler.consumed}
 
 
 def resume_rollout_rank(trainer, path) -> None:
@@ -163,8 +170,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     def stop_if_the_trainers_stopped() -> None:
         step = board.stopped_after()
         if step:
-            checkpoint = trainer.out_dir / "checkpoints" / step_dir_name(step)
-            raise TrainingStopped(step, checkpoint, trainer.stop_signal or signal.SIGTERM)
+            raise TrainingStopped(step, checkpoint_dir(trainer.out_dir, step), trainer.stop_signal or signal.SIGTERM)
 
     sent = 0  # batches sent to the trainer
 

@@ -69,6 +69,11 @@ def resume_path(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` is published."""
+    return Path(run_dir) / CHECKPOINTS / step_dir_name(step)
+
+
 def temporary_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"{TEMPORARY_PREFIX}{step_dir_name(step)}"
 

@@ -11,6 +11,7 @@ import torch
 from vlrft.config import to_dict
 from vlrft.distributed import barrier, global_rank, global_world_size
 from vlrft.trainer.checkpoint import (
+    checkpoint_dir,
     cpu_state_dict,
     clear_temporaries,
     fsync_tree,
@@ -18,7 +19,6 @@ from vlrft.trainer.checkpoint import (
     publish,
     rng_state,
     set_rng_state,
-    step_dir_name,
     temporary_dir,
 )
 
@@ -29,13 +29,6 @@ class TrainingStopped(Exception):
     def __init__(self, step: int, checkpoint: Path, signum: int):
         super().__init__(f"stopped by signal {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
-
-
-def rollout_rank_state(trainer) -> dict:
-    """What an async run's rollout rank resumes from, taken right after it generated a batch:
-    it travels to its trainer with that batch, which writes it into the checkpoint of that
-    step (the rollout ranks take no part in saving)."""
-    return {"rng": rng_state(), "prompts_consumed": trainer.sampler.consumed}
 
 
 def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> Path:
@@ -84,7 +77,7 @@ def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> P
     if trainer.rank == 0:
         publish(temporary, trainer.cfg.checkpoint.keep_last)
     barrier()
-    return temporary.with_name(step_dir_name(trainer.global_step))
+    return checkpoint_dir(trainer.out_dir, trainer.global_step)
 
 
 def load_checkpoint(trainer, path: Path) -> None:
@@ -115,4 +108,3 @@ def load_checkpoint(trainer, path: Path) -> None:
     if trainer.rank == 0:
         print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
     set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
-

@@ -16,9 +16,14 @@ prints, from the runs' metrics.jsonl:
 
 Sections: `text` is the addition task on the tiny text model, `colors` the colour demo,
 `tools` the calculator task whose tool sleeps `--tool-latency` seconds per call (an
-environment that waits on something: a sandbox, a web page, a simulator); it also runs sync
-with one environment worker per rank (`rollout.environment_workers=1`: the calls of a turn one
-after another) to show what the worker pool buys.
+environment that waits on something: a sandbox, a web page, a simulator), once per latency
+given, with 16 prompts x 8 per step. Async runs there with partial rollouts and
+`max_staleness` 2, so the rollout rank decodes up to two next batches while a batch waits on
+its tool calls. Each mode gets the environment workers it can keep busy: sync a worker per
+trajectory of a rank's batch (more would idle: a turn's calls all run at once already), async
+a worker per trajectory in flight (3 batches); async also runs with the job's sync count of
+workers. At the first latency the section also runs sync with the default 4 environment
+workers per rank, to show what the worker pool buys.
 """
 
 from __future__ import annotations
@@ -79,14 +84,21 @@ def section_config(name: str, work: Path, steps: int, latency: float) -> tuple[s
         return "text", "addition", [f"{ROOT}/examples/addition/config.yaml", f"train.total_steps={steps}"]
     if name == "colors":
         return "vl", "colors", [f"{ROOT}/examples/color_shapes/config.yaml", f"train.total_steps={steps}"]
-    tool = work / "slow_tool.py"
+    tool = work / f"slow_tool_{round(latency * 1000)}ms.py"
     tool.write_text(SLOW_TOOL.format(latency=latency))
     model = ROOT / "artifacts" / "tiny-text-calculator"
     if not (model / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "data_tools.calculator_warmup", "--base", "artifacts/tiny-text", "--out",
                         str(model)], cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return "text", "product", [f"{ROOT}/examples/calculator/config.yaml", f"train.total_steps={steps}",
-                               f"rollout.environment_args={{tools: ['{tool}:calculator']}}"]
+                               f"rollout.rollout_prompts={TOOLS_PROMPTS}", f"rollout.environment_args={{tools: ['{tool}:calculator']}}"]
+
+
+ASYNC = ["train.mode=async", "rollout.ranks=1", "train.max_staleness=1"]
+# Tools: the rollout rank starts batches ahead while a batch waits on its environments.
+ASYNC_AHEAD = ["train.mode=async", "rollout.ranks=1", "train.max_staleness=2", "train.partial_rollouts=true"]
+TOOLS_PROMPTS = 16  # x 8 samples: a 128-trajectory batch, so that 3 batches' environment processes fit in memory
+TOOLS_SEQUENCES = TOOLS_PROMPTS * 8  # examples/calculator/config.yaml's n_samples_per_prompt
 
 
 def run(kind: str, task: str, args: list[str], out: Path, mode: list[str]) -> list[dict]:
@@ -110,11 +122,8 @@ def sequences(steps: list[dict]) -> float:
     return sum(s["sequences"] for s in steps)
 
 
-def section(name: str, steps: int, latency: float, work: Path) -> None:
-    kind, task, args = section_config(name, work, steps, latency)
-    sync = run(kind, task, args, work / f"{name}_sync", [])
-    asynchronous = run(kind, task, args, work / f"{name}_async", ["train.mode=async", "rollout.ranks=1", "train.max_staleness=1"])
-    measured = steps // 5  # the first steps warm up (allocator, caches): left out of every figure
+def rates(sync: list[dict], asynchronous: list[dict], measured: int) -> None:
+    """Print sequences per second of the loop for both runs, and the async run's idle fractions."""
     sync, asynchronous = sync[measured:], asynchronous[measured:]
     rate_sync = sequences(sync) / loop_seconds(sync)
     rate_async = sequences(asynchronous) / loop_seconds(asynchronous)
@@ -123,16 +132,44 @@ def section(name: str, steps: int, latency: float, work: Path) -> None:
     trainer_idle = sum(s["async/trainer_wait_seconds"] + s["perf/sync_seconds"] for s in asynchronous) / wall
     rollout_idle = sum(s["async/rollout_wait_seconds"] for s in asynchronous) / wall
     ages = Counter(int(s["async/staleness_max"]) for s in asynchronous)
-    print(f"\n== {name}: {steps} steps (the first {measured} left out), 2 CPU ranks")
+    ahead = sum(s.get("async/started_ahead", 0.0) for s in asynchronous)
     print(f"sync : {rate_sync:7.1f} sequences/s  (median step {statistics.median(s['perf/step_seconds'] for s in sync):.3f} s)")
     print(f"async: {rate_async:7.1f} sequences/s  = {rate_async / rate_sync:.2f}x sync; idle: trainer {trainer_idle:.0%}, "
-          f"rollout rank {rollout_idle:.0%}; staleness {dict(sorted(ages.items()))}")
-    if name == "tools":  # what the environment worker pool does for sync: its calls one at a time instead
-        serial = run(kind, task, args, work / f"{name}_sync_serial", ["rollout.environment_workers=1"])[measured:]
-        rate_serial = sequences(serial) / loop_seconds(serial)
-        print(f"sync, one environment worker per rank: {rate_serial:7.1f} sequences/s (the default 4 workers: "
-              f"{rate_sync / rate_serial:.2f}x of it)")
-    # Phase times of the sync run, as GPU-seconds of one step (2 ranks worked in parallel).
+          f"rollout rank {rollout_idle:.0%}; staleness {dict(sorted(ages.items()))}; batches started ahead {ahead:.0f}/{len(asynchronous)}")
+
+
+def section(name: str, steps: int, latency: float, work: Path) -> list[dict]:
+    """Sync and async runs of a section; the sync run's steps (for the projection)."""
+    kind, task, args = section_config(name, work, steps, latency)
+    measured = steps // 5  # the first steps warm up (allocator, caches): left out of every figure
+    print(f"\n== {name}{f' (tool latency {latency:g} s)' if name == 'tools' else ''}: {steps} steps "
+          f"(the first {measured} left out), 2 CPU ranks")
+    if name != "tools":
+        sync = run(kind, task, args, work / f"{name}_sync", [])
+        rates(sync, run(kind, task, args, work / f"{name}_async", ASYNC), measured)
+        return sync[measured:]
+    tag = f"{name}_{latency:g}"
+    sync = run(kind, task, args, work / f"{tag}_sync", [f"rollout.environment_workers={TOOLS_SEQUENCES // 2}"])
+    print(f"async with a worker per trajectory in flight ({3 * TOOLS_SEQUENCES}):")
+    rates(sync, run(kind, task, args, work / f"{tag}_async", [*ASYNC_AHEAD, f"rollout.environment_workers={3 * TOOLS_SEQUENCES}"]), measured)
+    print(f"async with the sync job's number of workers ({TOOLS_SEQUENCES}):")
+    rates(sync, run(kind, task, args, work / f"{tag}_async_same", [*ASYNC_AHEAD, f"rollout.environment_workers={TOOLS_SEQUENCES}"]), measured)
+    return sync[measured:]
+
+
+def pool_section(steps: int, latency: float, work: Path) -> None:
+    """Sync with the default 4 environment workers per rank against a worker per trajectory."""
+    kind, task, args = section_config("tools", work, steps, latency)
+    measured = steps // 5
+    default = run(kind, task, args, work / f"pool_{latency:g}", [])[measured:]
+    pooled = run(kind, task, args, work / f"pool_{latency:g}_all", [f"rollout.environment_workers={TOOLS_SEQUENCES // 2}"])[measured:]
+    rate_default, rate_pooled = sequences(default) / loop_seconds(default), sequences(pooled) / loop_seconds(pooled)
+    print(f"sync, the default 4 environment workers per rank: {rate_default:7.1f} sequences/s; "
+          f"a worker per trajectory: {rate_pooled:.1f} ({rate_pooled / rate_default:.2f}x)")
+
+
+def projection(sync: list[dict]) -> None:
+    """The schedule model fed with the sync run's phase times, as GPU-seconds of one step (2 ranks worked in parallel)."""
     g = 2 * statistics.median(s["perf/generate_seconds"] for s in sync)
     t = 2 * statistics.median(s["perf/experience_seconds"] - s["perf/generate_seconds"] + s["perf/update_seconds"] for s in sync)
     w = statistics.median(s["perf/sync_seconds"] for s in sync)
@@ -146,11 +183,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="text,colors,tools")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tool-latency", type=float, default=0.3, help="seconds each calculator call sleeps")
+    parser.add_argument("--tool-latency", default="0.3,3", help="seconds each calculator call sleeps, one run per value")
     args = parser.parse_args()
+    latencies = [float(value) for value in args.tool_latency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sections.split(","):
-            section(name, args.steps, args.tool_latency, Path(tmp))
+            for latency in latencies if name == "tools" else [0.0]:
+                projection(section(name, args.steps, latency, Path(tmp)))
+            if name == "tools":
+                pool_section(args.steps, latencies[0], Path(tmp))
 
 
 if __name__ == "__main__":

@@ -99,7 +99,6 @@ def _validate_mode(cfg: Config) -> None:
         raise ConfigError("train.mode async needs rollout.ranks >= 1: the ranks that generate")
     # (key, whether it is set to something async cannot do yet, the setting that works)
     unsupported = [
-        ("train.ema_beta", cfg.train.ema_beta > 0, "0"),
         ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
         # A step that leaves the policy frozen sends no weights: the rollout ranks would wait.
         ("critic.freeze_actor_steps", cfg.critic.freeze_actor_steps > 0, "0"),

@@ -305,6 +305,7 @@ def recv_object_from(source: int):
 
 
 WEIGHTS_HEADER = "vlrft-weights"  # the first object of every weights broadcast
+EMA_HEADER = "vlrft-ema-weights"  # ... of the policy EMA's, sent for an evaluation after the version it follows
 
 
 def _broadcast_object(obj, source: int, group):
@@ -313,11 +314,12 @@ def _broadcast_object(obj, source: int, group):
     return box[0]
 
 
-def broadcast_weights(group, source: int, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def broadcast_weights(group, source: int, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                      header: str = WEIGHTS_HEADER) -> None:
     """Send weights `version` from global rank `source` (this one) to the other ranks of
     `group`: a header, then each tensor after its name, shape and dtype, then an end mark. One
     tensor in flight at a time: a ZeRO-3 gather yields one full parameter after another."""
-    _broadcast_object((WEIGHTS_HEADER, version), source, group)
+    _broadcast_object((header, version), source, group)
     for name, tensor in named_tensors:
         tensor = tensor.detach().to(comm_device()).contiguous()
         _broadcast_object((name, tuple(tensor.shape), tensor.dtype), source, group)
@@ -391,13 +393,14 @@ class WeightsError(VlrftError, RuntimeError):
     """A weights broadcast that is not the one expected; one-line message."""
 
 
-def receive_weights(group, source: int, expected_version: int, engine) -> int:
+def receive_weights(group, source: int, expected_version: int, engine, header: str = WEIGHTS_HEADER) -> int:
     """Receive the next weights broadcast (from global rank `source`) into `engine`'s
     `update_weights`; it must be version `expected_version` (versions arrive in order, none
-    skipped). Returns the version."""
-    header = _broadcast_object(None, source, group)
-    if not (isinstance(header, tuple) and header[0] == WEIGHTS_HEADER and header[1] == expected_version):
-        raise WeightsError(f"rank {dist.get_rank()} expected weights version {expected_version} from rank {source}, got {header!r}")
+    skipped) of the weights `header` names. Returns the version."""
+    got = _broadcast_object(None, source, group)
+    if not (isinstance(got, tuple) and got[0] == header and got[1] == expected_version):
+        what = "weights" if header == WEIGHTS_HEADER else "EMA weights"
+        raise WeightsError(f"rank {dist.get_rank()} expected {what} version {expected_version} from rank {source}, got {got!r}")
     engine.update_weights(received_weights(group, source))
     return expected_version
 

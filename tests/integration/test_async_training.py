@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None, **train) -> tuple[dict[int, dict], str]:
+def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None, reward: dict = None, **train) -> tuple[dict[int, dict], str]:
     (tmp_path / "recipe.py").write_text(RECIPE)
     config = {
         "model": {"path": model},
@@ -28,7 +28,7 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
         "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6} | (rollout or {}),
         "algo": {"kl": {"coef": 0.01}},
         "train": {"total_steps": 3, "lr": 1e-2, "micro_batch_tokens": 200} | train,
-        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]} | (reward or {}),
         "eval": {"every_steps": 3, "max_prompts": 4},
         "output": {"dir": str(tmp_path / name)},
         "checkpoint": {"save_steps": 0},
@@ -53,12 +53,20 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
 
 
 # Multi-turn: the tools environment runs on the rollout rank; its trajectories (observation
-# tokens out of the loss) travel to the trainer whole.
-@pytest.mark.parametrize("turns", [{}, {"environment": "tools", "max_turns": 2, "max_trajectory_tokens": 16}])
-def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, tiny_text, addition_data, tmp_path):
-    sync, _ = run(tmp_path, "sync", 1, tiny_text, addition_data, rollout=turns)
-    asynchronous, out = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1} | turns,
-                            mode="async", max_staleness=0)
+# tokens out of the loss) travel to the trainer whole. EMA: the rollout rank evaluates the
+# policy EMA the trainer sends after the version it evaluates (held-out "accuracy" scored by
+# distinct_chars, a fraction, so that other weights would show; beta 0.99 keeps the EMA near
+# the initial weights, far from the trained policy).
+@pytest.mark.parametrize("turns, train", [
+    ({}, {}),
+    ({"environment": "tools", "max_turns": 2, "max_trajectory_tokens": 16}, {}),
+    ({}, {"ema_beta": 0.99}),
+])
+def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, train, tiny_text, addition_data, tmp_path):
+    reward = {"accuracy_recipe": "recipe.py:distinct_chars"} if train else None
+    sync, _ = run(tmp_path, "sync", 1, tiny_text, addition_data, rollout=turns, reward=reward, **train)
+    asynchronous, out = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1} | turns, reward=reward,
+                            mode="async", max_staleness=0, **train)
     assert sorted(sync) == sorted(asynchronous) == [0, 1, 2, 3]
     for step in (1, 2, 3):
         assert asynchronous[step]["async/staleness_max"] == 0.0
@@ -68,6 +76,8 @@ def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, tiny
         for key in compared:
             assert asynchronous[step][key] == pytest.approx(sync[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert sync[3]["eval/accuracy"] == asynchronous[3]["eval/accuracy"]
+    if train:  # a fraction, not 0 or 1 (evaluating the live policy instead gives another one: checked by hand)
+        assert 0 < sync[3]["eval/accuracy"] < 1
     assert "held-out accuracy by step: 0:" in out
 
 
@@ -131,12 +141,15 @@ def by_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
     raise AssertionError(f"no process of rank {rank}")
 
 
-# (2 ranks, ZeRO-2, kill the rollout rank 1) and (3 ranks: trainers 0 and 1 under ZeRO-3, rollout rank 2; kill trainer 1)
-@pytest.mark.parametrize("ranks, zero_stage, victim", [(2, 2, 1), (3, 3, 1)])
-def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zero_stage, victim, tiny_text, addition_data, tmp_path):
+# (2 ranks, ZeRO-2, kill the rollout rank 1, which runs multi-turn rollouts with partial
+# rollouts: it starts each batch while the one before waits on its environments) and (3 ranks:
+# trainers 0 and 1 under ZeRO-3 with a policy EMA, rollout rank 2; kill trainer 1)
+@pytest.mark.parametrize("ranks, zero_stage, victim, ahead", [(2, 2, 1, True), (3, 3, 1, False)])
+def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zero_stage, victim, ahead, tiny_text, addition_data, tmp_path):
     """kill -9 of one rank (torchrun ends the others) once step 2's checkpoint exists, while the
     rollout rank is held inside a later batch's reward call; the rerun resumes at step 2 and
-    every step trains exactly the prompts the sampler gives it: none lost, none twice."""
+    every step trains exactly the prompts the sampler gives it: none lost, none twice (with a
+    batch started ahead, its prompts were drawn before step 2's checkpoint: drawn again)."""
     (tmp_path / "recipe.py").write_text(HELD_RECIPE)
     rows = [json.loads(line)["id"] for line in (addition_data / "train.jsonl").read_text().splitlines()]
     config = {
@@ -151,6 +164,11 @@ def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zer
         "checkpoint": {"save_steps": 2, "keep_last": 5},
         "output": {"dir": str(tmp_path / "killed")},
     }
+    if ahead:  # S = 2: batch i + 1 may start on the weights batch i starts with, so it always starts ahead
+        config["rollout"] |= {"environment": "tools", "max_turns": 2, "max_trajectory_tokens": 16}
+        config["train"] |= {"partial_rollouts": True, "max_staleness": 2}
+    else:  # with a policy EMA: the resumed run's trainers send it after the checkpoint's version, to evaluate
+        config["train"] |= {"ema_beta": 0.5}
     path = tmp_path / "killed.yaml"
     path.write_text(yaml.safe_dump(config))
     (tmp_path / "hold").touch()  # HELD_RECIPE: reward calls wait once killed/.../step_000002 exists
@@ -165,6 +183,13 @@ def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zer
     lines = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
     assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 2, 4, 6]  # each evaluation once
+    assert (tmp_path / "killed" / "final_ema" / "config.json").is_file() != ahead  # the EMA case exports it
+    # Each batch starts with the batch before it (whose weights are recent enough: at most 2
+    # updates behind when it trains), but for the first batch of each run, 1 and 3 (batch 3
+    # had started with batch 2 in the killed run, before step 2's checkpoint); whether batch 6
+    # starts with 5 depends on timing.
+    started_ahead = [r["async/started_ahead"] for r in lines if "train/loss" in r]
+    assert started_ahead[:5] == ([0.0, 1.0, 0.0, 1.0, 1.0] if ahead else [0.0] * 5)
     sampler = PromptSampler(len(rows), 4, rank=0, world_size=1, seed=0)  # the one rollout rank's, train.seed 0
     saved = tmp_path / "killed" / "trajectories"
     for step in range(1, 7):

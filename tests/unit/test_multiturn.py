@@ -12,7 +12,8 @@ from vlrft.data.encoding import PromptEncoder
 from vlrft.errors import ConfigError
 from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, resolve_environment
 from vlrft.multiturn.host import EnvironmentHost
-from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate
+from vlrft.multiturn.in_flight import InFlight
+from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate, multi_turn_steps
 from vlrft.multiturn.template import observation_template
 from vlrft.multiturn.tools import ToolEnvironment, calculator, parse_tool_calls
 from vlrft.engines.base import SamplingParams
@@ -455,3 +456,56 @@ def test_observation_images_enter_as_the_templates_image_parts(tiny_vl, tiny_tex
     blind = MultiTurn(hosted("Showing", shown=shown), observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "t"), 2, 300, text)
     with pytest.raises(ConfigError, match="^the environment showed images on row 'q': images in observations need a vision-language"):
         multi_turn_generate(ScriptedEngine([[7, end_of_turn(tokenizer)]] * 2, stop), [prompt("q", 0)], params, blind, lambda p: {})
+
+
+class SlowEngine:
+    """Test double of an engine that takes `seconds` per call (decoding) and answers each
+    prompt by its row: [10 + row index, stop]."""
+
+    def __init__(self, seconds: float, stop: int):
+        self.seconds, self.stop = seconds, stop
+
+    def generate(self, prompts, params):
+        time.sleep(self.seconds)
+        return [Rollout(p, p.index, [10 + p.index, self.stop], f"row {p.index}", False, [-0.5, -0.5]) for p in prompts]
+
+
+def test_a_batch_in_flight_decodes_while_another_waits_on_its_environments(tokenizer, hosted):
+    """Two batches of 4 trajectories, each turn 0.3 s of decoding and 0.4 s of environment (2
+    steps each): one after the other they take 2 x 2 x 0.7 s; with the second decoded while the
+    first waits (InFlight.finish's `meanwhile`, what an asynchronous rollout rank does) about
+    1.7 s. Each batch's trajectories are those it gets alone."""
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, workers=8, seconds=0.4), template, max_turns=3, max_tokens=200)
+    host = mt.environments
+    host.each([(w, partial(host.construct, "warm-up", w)) for w in range(8)])  # start the workers
+    engine = SlowEngine(0.3, stop)
+    first, second = [prompt(f"a{i}", i) for i in range(4)], [prompt(f"b{i}", 4 + i) for i in range(4)]
+    steps = lambda rows: multi_turn_steps(engine, rows, params, mt, lambda p: {})  # noqa: E731
+
+    start = time.monotonic()
+    alone = [InFlight(steps(rows), host).finish() for rows in (first, second)]
+    alone_s = time.monotonic() - start
+    assert alone_s >= 2 * 2 * (0.3 + 0.4)
+
+    start = time.monotonic()
+    ahead: list[InFlight] = []
+
+    def meanwhile() -> bool:
+        if not ahead:
+            ahead.append(InFlight(steps(second), host))
+            return True
+        if ahead[0].ready():
+            ahead[0].advance()
+            return True
+        return False
+
+    overlapped = [InFlight(steps(first), host).finish(meanwhile), None]
+    overlapped[1] = ahead[0].finish()
+    overlapped_s = time.monotonic() - start
+    assert overlapped_s < alone_s - 0.8, (overlapped_s, alone_s)
+    turns = lambda rollouts: [(r.prompt.id, r.response_ids, [t["reward"] for t in r.turns]) for r in rollouts]  # noqa: E731
+    assert [turns(b) for b in overlapped] == [turns(b) for b in alone]
+    assert turns(alone[1])[0][2] == [1.0, 1.0]  # both steps answered

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from transformers import TopPLogitsWarper
@@ -166,6 +166,10 @@ class HFEngine:
         by the trainer's own forward on one packed micro-batch (the weight-sync check)."""
         batch = pack(rollouts)
         return gather_responses(batch, policy_forward(self.model, batch, temperature).logp, "cpu")
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Copies of the weights it serves, by the names `update_weights` takes."""
+        return ((name, param.detach().clone()) for name, param in self.model.named_parameters())
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

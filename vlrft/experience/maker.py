@@ -20,7 +20,8 @@ from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
-from vlrft.multiturn.rollout import MultiTurn, generate_rollouts
+from vlrft.multiturn.in_flight import InFlight
+from vlrft.multiturn.rollout import MultiTurn, generate_rollouts, multi_turn_steps
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
@@ -117,15 +118,32 @@ class FastExperienceMaker:
         self.shape_rewards = shape_rewards  # (rewards [N], truncated [N]) -> shaped rewards [N]
         self.settings = settings
         self.return_stats = return_stats  # value normalisation (None = off)
+        # Work for the rank while a multi-turn batch waits on its environments; it says whether
+        # it did any (an asynchronous rollout rank starts its next batch there: async_roles.py).
+        self.between_turns: Callable[[], bool] | None = None
 
     def make(self, prompts: list[Prompt]) -> tuple[list[Experience], dict[str, float]]:
         return self.finish(self.generate_and_score(prompts))
 
-    def generate_and_score(self, prompts: list[Prompt], seed: int | None = None) -> list[Experience]:
-        """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`.
-        `seed` is the generate call's base seed (SamplingParams.seed)."""
+    def start_rollouts(self, prompts: list[Prompt], seed: int | None) -> InFlight:
+        """Multi-turn rollouts of `prompts`, started (their environments' constructions sent)
+        to be finished by `generate_and_score`."""
         s = self.settings
-        rollouts = generate_rollouts(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
+        steps = multi_turn_steps(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
+        return InFlight(steps, s.multi_turn.environments)
+
+    def generate_and_score(self, prompts: list[Prompt], seed: int | None = None, started: InFlight | None = None) -> list[Experience]:
+        """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`.
+        `seed` is the generate call's base seed (SamplingParams.seed); `started`: the prompts'
+        rollouts, already started by `start_rollouts` with that seed. While multi-turn rollouts
+        wait on their environments, `between_turns` (when set) does other work."""
+        s = self.settings
+        if started is None and s.multi_turn is not None and self.between_turns is not None:
+            started = self.start_rollouts(prompts, seed)
+        if started is not None:
+            rollouts = started.finish(self.between_turns)
+        else:
+            rollouts = generate_rollouts(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
         totals, components, dense = self.rewards.score(
             [r.response_text for r in rollouts], [completion_fields(r) for r in rollouts]
         )

@@ -5,18 +5,18 @@ sandbox, a web page, a simulator) waits once per turn, not once per trajectory.
 
 Each trajectory's environment lives in one worker (round robin) under a key; construction,
 reset and step are calls into it, each with `rollout.environment_timeout_s`. A worker serves
-one call at a time; `each` runs a turn's calls with one thread per worker, so calls into
-different workers overlap. A call that times out kills its worker: its trajectory fails with
-the timeout, and every other environment held in that worker is lost with it: its trajectory's
-next call fails in one line naming the call that timed out (both count as environment
-failures). The next construction in that worker starts a fresh process. Anything a call
+one call at a time, from its own thread (`submit`, `each`), so calls into different workers
+overlap, and the rank can go on with other work while they run. A call that times out kills
+its worker: its trajectory fails with the timeout, and every other environment held in that
+worker is lost with it: its trajectory's next call fails in one line naming the call that
+timed out (both count as environment failures). The next construction in that worker starts a fresh process. Anything a call
 returns (a Step with its PIL images) comes back pickled.
 """
 
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,8 +41,11 @@ class EnvironmentHost:
         self.name, self.args, self.timeout_s = name, args, timeout_s
         self.workers = [Worker(prepare=(load, (name,))) for _ in range(workers)]
         self._keys = itertools.count()
+        self._next_worker = 0  # where workers_for's round robin goes on
         self._lost: dict[tuple[int, int], str] = {}  # (worker, generation) -> the call that ended that process
-        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="vlrft-environment") if workers > 1 else None
+        # One thread per worker process: its calls queue there in order, and calls into
+        # different workers run at the same time.
+        self._queues = [ThreadPoolExecutor(1, thread_name_prefix=f"vlrft-environment-{i}") for i in range(workers)]
 
     def probe(self) -> str:
         """Build one environment and drop it: its `observation_role` (default "tool"), or the
@@ -56,32 +59,23 @@ class EnvironmentHost:
         self.release([Held(key, 0, self.workers[0].generation)])
         return role
 
+    def submit(self, jobs: list[tuple[int, Callable[[], Any]]]) -> list[Future]:
+        """Start the jobs, each a (worker index, function making calls into that worker), without
+        waiting: one worker's jobs run in order (after what was submitted to it before),
+        different workers' at the same time. Their futures, in the jobs' order."""
+        return [self._queues[worker].submit(job) for worker, job in jobs]
+
     def each(self, jobs: list[tuple[int, Callable[[], Any]]]) -> list[Any]:
-        """Run the jobs, each a (worker index, function making calls into that worker): one
-        worker's jobs in order, different workers' at the same time. Returns what each job
-        returned, in the jobs' order; what a job raises (a stalled step's CallStalled) is
-        raised here once every job has ended."""
-        if self._threads is None:
-            return [job() for _, job in jobs]
-        by_worker: dict[int, list[int]] = {}
-        for index, (worker, _) in enumerate(jobs):
-            by_worker.setdefault(worker, []).append(index)
-        results: list[Any] = [None] * len(jobs)
+        """`submit` the jobs and wait: what each job returned, in the jobs' order; what a job
+        raises (a stalled step's CallStalled) is raised here once every job has ended."""
+        return results(self.submit(jobs))
 
-        def in_order(indices: list[int]) -> None:
-            for index in indices:
-                results[index] = jobs[index][1]()
-
-        running = [self._threads.submit(in_order, indices) for indices in by_worker.values()]
-        for done in running:
-            done.exception()  # waits: every job ends before one's error is raised
-        for done in running:
-            done.result()
-        return results
-
-    def worker_for(self, index: int) -> int:
-        """The worker of the `index`-th trajectory of a batch (round robin)."""
-        return index % len(self.workers)
+    def workers_for(self, count: int) -> list[int]:
+        """The workers of `count` new trajectories: round robin, going on from where the last
+        batch's ended, so that batches in flight at the same time (an asynchronous rollout rank's)
+        spread over the workers instead of queueing in the first ones."""
+        first, self._next_worker = self._next_worker, (self._next_worker + count) % len(self.workers)
+        return [(first + i) % len(self.workers) for i in range(count)]
 
     def construct(self, what: str, worker: int = 0) -> Held:
         """A fresh environment in worker `worker`; its handle."""
@@ -106,12 +100,13 @@ class EnvironmentHost:
                     worker.call(release, (alive,), self.timeout_s)
                 except CallFailed:
                     pass
-        self._lost.clear()
 
     def stop(self) -> None:
         """End every worker process (they also end with this object and at exit)."""
         for worker in self.workers:
             worker.stop()
+        for queue in self._queues:
+            queue.shutdown(wait=False)
 
     def _call_held(self, held: Held, fn: Callable, args: tuple, what: str) -> Any:
         worker = self.workers[held.worker]
@@ -128,6 +123,13 @@ class EnvironmentHost:
         if outcome.failure is not None:
             raise EnvironmentFailure(outcome.failure)
         return outcome.value
+
+
+def results(futures: list[Future]) -> list[Any]:
+    """The futures' results in order, once every one has ended; the first error is raised then."""
+    for future in futures:
+        future.exception()  # waits
+    return [future.result() for future in futures]
 
 
 # ---- in the worker: the environments, by key

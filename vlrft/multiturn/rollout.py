@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable
+from typing import Callable, Generator
 
 from vlrft.data.encoding import PromptEncoder
 from vlrft.engines.base import RolloutEngine, SamplingParams, derived_seed
@@ -173,12 +173,18 @@ def observation_images(shown: list, mt: MultiTurn, row_id: str) -> tuple[str, di
     return mt.encoder.expand_image_pads(mt.template.image_part * len(images), mm_inputs, "", len(images)), mm_inputs, images
 
 
-def multi_turn_generate(
+Calls = list  # a batch of environment calls: [(worker index, function making calls into it)]
+
+
+def multi_turn_steps(
     engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, mt: MultiTurn, fields_of: Callable[[Prompt], dict]
-) -> list[Rollout]:
-    """params.n trajectories per prompt, grouped by prompt like `engine.generate`'s rollouts.
-    Every rank runs the same number of generate calls (max_turns) so a TP engine's group stays
-    together; a rank whose trajectories all ended sends none of its own."""
+) -> Generator[Calls, list, list[Rollout]]:
+    """params.n trajectories per prompt, grouped by prompt like `engine.generate`'s rollouts,
+    as a generator: it yields each batch of environment calls (the constructions, then each
+    turn's steps) and takes their results back, so that whoever drives it (`drive`,
+    vlrft.multiturn.in_flight) may do other work while they run. Every rank runs the same
+    number of generate calls (max_turns) so a TP engine's group stays together; a rank whose
+    trajectories all ended sends none of its own."""
     if not getattr(engine, "continues_image_prompts", True):
         with_images = next((p for p in prompts if p.images or p.mm_inputs), None)
         if with_images is not None:
@@ -186,19 +192,36 @@ def multi_turn_generate(
         mt = replace(mt, encoder=None)  # images in observations: refused too (observation_images)
     trajectories = [Trajectory(p, None) for p in prompts for _ in range(params.n)]
     host = mt.environments
-    host.each([(host.worker_for(i), partial(start, t, mt, fields_of(t.prompt), host.worker_for(i)))
-               for i, t in enumerate(trajectories)])
+    yield [(worker, partial(start, t, mt, fields_of(t.prompt), worker))
+           for worker, t in zip(host.workers_for(len(trajectories)), trajectories)]
     for turn in range(mt.max_turns):
         running = [t for t in trajectories if not t.done]
         turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))
         actions = engine.generate([t.continuation() for t in running], turn_params)
         stepping = [(t, action) for t, action in zip(running, actions) if record(t, action)]
         # The turn's environment calls, at the same time.
-        steps = host.each([(t.environment.worker, partial(take_step, t, mt)) for t, _ in stepping])
+        steps = yield [(t.environment.worker, partial(take_step, t, mt)) for t, _ in stepping]
         for (t, action), step in zip(stepping, steps):
             answer(t, step, mt, action.response_ids, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
-    mt.environments.release([t.environment for t in trajectories if t.environment is not None])
+    host.release([t.environment for t in trajectories if t.environment is not None])
     return [t.rollout() for t in trajectories]
+
+
+def drive(steps: Generator[Calls, list, list[Rollout]], host: EnvironmentHost) -> list[Rollout]:
+    """Run a multi-turn rollout to its end, waiting for each batch of its environment calls."""
+    calls = next(steps)
+    while True:
+        try:
+            calls = steps.send(host.each(calls))
+        except StopIteration as end:
+            return end.value
+
+
+def multi_turn_generate(
+    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, mt: MultiTurn, fields_of: Callable[[Prompt], dict]
+) -> list[Rollout]:
+    """The trajectories of `multi_turn_steps`, generated in one go."""
+    return drive(multi_turn_steps(engine, prompts, params, mt, fields_of), mt.environments)
 
 
 def generate_rollouts(

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable
 
 import torch
 
 from vlrft.distributed import (
+    EMA_HEADER,
     all_reduce_max_int,
     all_reduce_sum,
     broadcast_weights,
@@ -37,11 +41,17 @@ from vlrft.distributed import (
     VersionBoard,
 )
 from vlrft.distributed import world_size as role_world_size
+from vlrft.multiturn.in_flight import InFlight
 from vlrft.trainer.checkpoint import checkpoint_dir, load_state, rng_state, set_rng_state
 from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
+from vlrft.trainer.dynamic_sampling import draw_prompts, round_seed
 
 WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
 POLL_S = 0.01  # how often a waiting rollout rank looks at the job's store
+# How often a decoding rollout rank with partial rollouts looks there for new weights: a look
+# is a round trip to the store, which every decoding step would pay otherwise (8% of a tiny
+# model's decoding time on CPU).
+WEIGHTS_POLL_S = 0.05
 
 
 def role_ranks(rollout_ranks: int, world: int) -> tuple[list[int], list[int]]:
@@ -92,10 +102,12 @@ def take_async_role(rollout_ranks: int):
 class RolloutRanks:
     """The trainer ranks' engine: `update_weights` broadcasts the new weights to the rollout
     ranks (trainer rank 0 sends; the other trainer ranks take part in ZeRO-3's gathers and
-    discard). Generation happens elsewhere, so sleep and wake have nothing to do."""
+    discard), followed, for a version the rollout ranks evaluate, by what they evaluate instead
+    of it (`evaluated(version)`: the policy EMA, or None). Generation happens elsewhere, so
+    sleep and wake have nothing to do."""
 
-    def __init__(self, weights_group, source: int, sends: bool):
-        self.weights_group, self.source, self.sends = weights_group, source, sends
+    def __init__(self, weights_group, source: int, sends: bool, evaluated: Callable[[int], Iterable | None]):
+        self.weights_group, self.source, self.sends, self.evaluated = weights_group, source, sends, evaluated
         self.board = VersionBoard() if sends else None
         self.version = 0
 
@@ -111,6 +123,9 @@ class RolloutRanks:
             announced = self.board.announce()
             assert announced == self.version, (announced, self.version)
             broadcast_weights(self.weights_group, self.source, self.version, named_tensors)
+            ema = self.evaluated(self.version)  # (complete now: the EMA moved with each tensor sent)
+            if ema is not None:
+                broadcast_weights(self.weights_group, self.source, self.version, ema, header=EMA_HEADER)
         else:
             for _ in named_tensors:
                 pass
@@ -122,11 +137,26 @@ class RolloutRanks:
         pass
 
 
+@dataclass
+class StartedBatch:
+    """A step's first sampling round, started by the rollout rank during an earlier step, while
+    that step's batch waited on its environments (partial rollouts with a multi-turn environment)."""
+
+    step: int
+    prompts: list
+    skipped: int  # bad prompts skipped while drawing them (all ranks)
+    rollouts: InFlight
+    version: int  # the weights it started with: the oldest any of its tokens is sampled with
+    consumed_before: int  # the sampler's position before its prompts were drawn
+
+
 def rollout_rank_state(trainer) -> dict:
     """What a rollout rank resumes from, taken right after it generated a batch: it travels to
     its trainer with that batch, which writes it into the checkpoint of that step as this
-    rank's rank file (the rollout ranks take no part in saving)."""
-    return {"rng": rng_state(), "prompts_consumed": trainer.sampler.consumed}
+    rank's rank file (the rollout ranks take no part in saving). Batches started ahead were
+    never trained: a resumed run draws their prompts again."""
+    ahead = trainer.started_ahead
+    return {"rng": rng_state(), "prompts_consumed": ahead[0].consumed_before if ahead else trainer.sampler.consumed}
 
 
 def resume_rollout_rank(trainer, path) -> None:
@@ -160,7 +190,13 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     def evaluate_if_due() -> None:
         if evaluation_due(version, every, total, trainer.eval_sources):
             hook, trainer.engine.new_weights = trainer.engine.new_weights, None  # (no update inside evaluation)
+            live = None
+            if cfg.train.ema_beta > 0 and version > 0:  # the trainers send the policy EMA after this version: it is evaluated
+                live = list(trainer.engine.named_weights())
+                receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version, trainer.engine, header=EMA_HEADER)
             metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
+            if live is not None:
+                trainer.engine.update_weights(live)
             trainer.engine.new_weights = hook
             if trainer.rank == 0:  # the same numbers on every rollout rank: one posts them
                 board.post_evaluation(version, metrics)
@@ -183,7 +219,8 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
                 next_version()
                 continue
             stop_if_the_trainers_stopped()
-            time.sleep(POLL_S)
+            if trainer.maker.between_turns is None or not trainer.maker.between_turns():  # (the next batch goes on)
+                time.sleep(POLL_S)
         if pending is not None:
             pending.wait()
 
@@ -197,8 +234,13 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
 
     if cfg.train.partial_rollouts:
 
+        looked = 0.0  # when new_weights last looked at the store
+
         def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
-            nonlocal taken_mid_batch
+            nonlocal taken_mid_batch, looked
+            if time.monotonic() - looked < WEIGHTS_POLL_S:
+                return False
+            looked = time.monotonic()
             if board.newest() <= version:
                 return False
             while version < board.newest():
@@ -207,6 +249,8 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             return True
 
         trainer.engine.new_weights = new_weights
+        if trainer.maker.settings.multi_turn is not None and not cfg.rollout.dynamic_sampling:
+            trainer.maker.between_turns = partial(start_next_batch, trainer, new_weights, lambda: version, board)
 
     evaluate_if_due()  # (a resumed run evaluates its step again: discard_after dropped that line)
     pending = None  # the last batch's send, still in flight
@@ -216,10 +260,12 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             next_version()
         waited = time.perf_counter() - waited
         trainer.begin_step()
-        started_at, taken_mid_batch = version, 0
+        ahead = next((batch for batch in trainer.started_ahead if batch.step == step), None)
+        started_at, taken_mid_batch = version if ahead is None else ahead.version, 0
         kept, generated, metrics = trainer.collect_experiences()
         resume = rollout_rank_state(trainer)  # for the checkpoint of this step, if one is due
         metrics["async/rollout_wait_seconds"] = waited
+        metrics["async/started_ahead"] = float(ahead is not None)
         metrics["async/updates_mid_batch"] = float(taken_mid_batch)
         wait_until_received(pending)
         # The batch's version is the oldest its tokens were sampled with. A signal this rank got
@@ -231,6 +277,28 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         next_version()
     wait_until_received(pending)
     return []
+
+
+def start_next_batch(trainer, new_weights: Callable[[], bool], held_version: Callable[[], int], board: VersionBoard) -> bool:
+    """A rollout rank with partial rollouts, while its batch waits on its environments: take
+    the weights the trainer announced, start the next step's batch as soon as the staleness
+    bound allows it (with S = `train.max_staleness`, up to S batches ahead), and decode a
+    started batch's next turn once its environment calls have answered. Whether it did any of that."""
+    took = new_weights()
+    started = trainer.started_ahead
+    following = (started[-1].step if started else trainer.global_step) + 1
+    if (following <= trainer.cfg.train.total_steps and not board.stopped_after()
+            and held_version() >= needed_version(following, trainer.cfg.train.max_staleness)):
+        consumed = trainer.sampler.consumed
+        prompts, skipped = draw_prompts(trainer)
+        rollouts = trainer.maker.start_rollouts(prompts, round_seed(trainer, following, 0))
+        started.append(StartedBatch(following, prompts, skipped, rollouts, held_version(), consumed))
+        return True
+    for batch in started:
+        if batch.rollouts.ready():
+            batch.rollouts.advance()
+            return True
+    return took
 
 
 def run_trainer(trainer) -> list[tuple[int, float]]:

@@ -21,10 +21,14 @@ def sample_groups(trainer) -> tuple[list[Experience], list[Experience], dict[str
     generated: list[Experience] = []
     rounds = skipped = 0
     while True:
-        items = [(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
-        prompts, bad = trainer.bad_input.encode(trainer.encoder, items)  # bad prompts: all ranks
+        if trainer.started_ahead and rounds == 0:  # an asynchronous rollout rank started this step's batch already
+            ahead = trainer.started_ahead.pop(0)
+            assert ahead.step == trainer.global_step, (ahead.step, trainer.global_step)
+            prompts, bad, started = ahead.prompts, ahead.skipped, ahead.rollouts
+        else:
+            (prompts, bad), started = draw_prompts(trainer), None
         skipped += bad
-        scored = trainer.maker.generate_and_score(prompts, derived_seed(trainer.cfg.train.seed, trainer.global_step, rounds))
+        scored = trainer.maker.generate_and_score(prompts, round_seed(trainer, trainer.global_step, rounds), started)
         generated += scored
         rounds += 1
         if not rollout.dynamic_sampling:
@@ -52,3 +56,15 @@ def sample_groups(trainer) -> tuple[list[Experience], list[Experience], dict[str
         "rollout/sampling_rounds": float(rounds),
         "data/skipped_prompts": float(skipped),
     }
+
+
+def draw_prompts(trainer) -> tuple[list, int]:
+    """The sampler's next prompts for this rank, encoded: (prompts, prompts skipped on all ranks;
+    a collective)."""
+    items = [(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
+    return trainer.bad_input.encode(trainer.encoder, items)
+
+
+def round_seed(trainer, step: int, round_: int) -> int:
+    """The generate seed of sampling round `round_` of step `step`."""
+    return derived_seed(trainer.cfg.train.seed, step, round_)

@@ -68,7 +68,14 @@ from vlrft.distributed import (
     rank,
     world_size,
 )
-from vlrft.trainer.async_roles import WEIGHTS_SOURCE, RolloutRanks, resume_rollout_rank, run_role, take_async_role
+from vlrft.trainer.async_roles import (
+    WEIGHTS_SOURCE,
+    RolloutRanks,
+    evaluation_due,
+    resume_rollout_rank,
+    run_role,
+    take_async_role,
+)
 from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.guards import RunGuards
@@ -107,6 +114,7 @@ class SPMDTrainer:
         # world are those of its role (trainer/async_roles.py).
         self.role, self.weights_group = "both", None
         self.weights_version = 0  # an async rollout rank's engine: the policy version it holds
+        self.started_ahead = []  # an async rollout rank's next batches, started early (async_roles.StartedBatch)
         if cfg.train.mode == "async":
             self.role, self.weights_group = take_async_role(cfg.rollout.ranks)
             self.rank, self.world_size = rank(), world_size()
@@ -148,7 +156,7 @@ class SPMDTrainer:
         streams = rng_state()
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer)) if generates else None
         if self.role == "trainer":  # its "engine" is the rollout ranks, reached by broadcast
-            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0)
+            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights)
         set_rng_state(streams)
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None
@@ -172,9 +180,10 @@ class SPMDTrainer:
         # The weight-sync probe needs the engine beside the policy: off on the roles of async training.
         checked_engine = self.engine if self.role == "both" else None
         self.guards = RunGuards(cfg.guards, checked_engine, cfg.rollout.engine, self.rewards.component_names(), self.rank)
-        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name.
+        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name (on
+        # the ranks that train; an async run's trainers send it to the rollout ranks to evaluate).
         self.policy_ema = None
-        if cfg.train.ema_beta > 0:
+        if cfg.train.ema_beta > 0 and trains:
             self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
         self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank, share_prompts=cfg.train.share_prompts)
         self.sampler = PromptSampler(
@@ -441,6 +450,12 @@ class SPMDTrainer:
             self.engine.update_weights(self.policy_weights())
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
+
+    def _evaluated_weights(self, version: int):
+        """An async trainer: what the rollout ranks evaluate at weights `version` instead of the
+        policy, if they evaluate it (the policy EMA), else None."""
+        due = evaluation_due(version, self.cfg.eval.every_steps, self.cfg.train.total_steps, self.eval_sources)
+        return self.policy_ema.items() if self.policy_ema is not None and due else None
 
     def evaluate_engine(self) -> dict[str, float]:
         """Held-out accuracy of the weights the engine serves (every rank that generates)."""

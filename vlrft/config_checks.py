@@ -100,8 +100,6 @@ def _validate_mode(cfg: Config) -> None:
     # (key, whether it is set to something async cannot do yet, the setting that works)
     unsupported = [
         ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
-        # A step that leaves the policy frozen sends no weights: the rollout ranks would wait.
-        ("critic.freeze_actor_steps", cfg.critic.freeze_actor_steps > 0, "0"),
         # vLLM's start-up builds its world group with torch.distributed.new_group over the whole
         # job, a collective the trainer ranks never join: it hangs (docs/async.md, "Not yet").
         ("rollout.engine", cfg.rollout.engine != "hf", "hf"),

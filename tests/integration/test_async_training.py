@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None, reward: dict = None, **train) -> tuple[dict[int, dict], str]:
+def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None, reward: dict = None, sections: dict = None,
+        **train) -> tuple[dict[int, dict], str]:
     (tmp_path / "recipe.py").write_text(RECIPE)
     config = {
         "model": {"path": model},
@@ -33,6 +34,8 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
         "output": {"dir": str(tmp_path / name)},
         "checkpoint": {"save_steps": 0},
     }
+    for key, value in (sections or {}).items():  # more config sections, merged into those above
+        config[key] = config.get(key, {}) | value
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
@@ -106,6 +109,17 @@ def test_staleness_two_takes_weights_while_its_batch_waits(tiny_text, addition_d
                      max_staleness=2, total_steps=6)
     assert all(metrics[step]["async/staleness_max"] <= 2 for step in range(1, 7))
     assert metrics[6]["train/optimizer_steps"] == 1.0
+
+
+def test_a_frozen_actor_sends_versions_without_tensors(tiny_text, addition_data, tmp_path):
+    """GAE with the actor frozen for the critic's first 2 updates: the trainer sends those
+    versions empty (the rollout rank waits for every version), then the policy trains."""
+    metrics, _ = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1}, mode="async",
+                     max_staleness=1, total_steps=4,
+                     sections={"algo": {"advantage": "gae"}, "critic": {"enabled": True, "freeze_actor_steps": 2}})
+    assert ["train/lr" in metrics[step] for step in (1, 2, 3, 4)] == [False, False, True, True]  # the actor's updates
+    assert all("critic/value_loss" in metrics[step] for step in (1, 2, 3, 4))
+    assert [metrics[step]["async/staleness_max"] for step in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
 
 
 def test_weights_arrive_exactly_and_a_skipped_version_stops_the_rollout_rank(tmp_path):

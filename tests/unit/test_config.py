@@ -165,7 +165,6 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
 
 
 @pytest.mark.parametrize("override, works", [
-    ("algo.advantage=gae critic.enabled=true critic.freeze_actor_steps=2", "0"),
     ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),
     ("rollout.engine=vllm", "hf"),
 ])

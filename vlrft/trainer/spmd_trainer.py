@@ -371,11 +371,15 @@ class SPMDTrainer:
         return actor_updates
 
     def sync(self, actor_updated: bool, metrics: dict) -> None:
-        """Wake the engine and, when the policy changed, send it the new weights."""
+        """Wake the engine and, when the policy changed, send it the new weights. An async
+        trainer sends a version every step, the rollout ranks wait for it: while the actor is
+        frozen (`critic.freeze_actor_steps`), a version without tensors (the weights they hold)."""
         self.engine.wake()
         if actor_updated:
             self._sync_weights()
             metrics |= self.guards.after_sync(self.backend.model, self.global_step)
+        elif self.role == "trainer":
+            self.engine.update_weights(iter(()))
 
     def collect_experiences(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
         """This step's prompts, generated and scored: (kept, all generated, metrics)."""

@@ -2,6 +2,7 @@
 and observation tokens out of every loss."""
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 
 from vlrft.data.encoding import PromptEncoder
 from vlrft.errors import ConfigError
+from vlrft.isolation.budget import STEP_BUDGET, CallStalled
 from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, resolve_environment
 from vlrft.multiturn.host import EnvironmentHost
 from vlrft.multiturn.in_flight import InFlight
@@ -509,3 +511,23 @@ def test_a_batch_in_flight_decodes_while_another_waits_on_its_environments(token
     turns = lambda rollouts: [(r.prompt.id, r.response_ids, [t["reward"] for t in r.turns]) for r in rollouts]  # noqa: E731
     assert [turns(b) for b in overlapped] == [turns(b) for b in alone]
     assert turns(alone[1])[0][2] == [1.0, 1.0]  # both steps answered
+
+
+def test_a_batch_started_ahead_is_bounded_by_its_timeouts_not_the_steps_budget(tokenizer, hosted):
+    """An async rollout rank's batch started ahead (MultiTurn.step_budget False) runs past the
+    deadline of the step it started in; a batch of that step is stopped there."""
+    stop = end_of_turn(tokenizer)
+    template = observation_template(tokenizer, [stop], "tool", "tiny")
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, seconds=0.4), template, max_turns=3, max_tokens=200)
+    mt.environments.each([(0, partial(mt.environments.construct, "warm-up", 0))])  # the worker's start
+    engine = ScriptedEngine([[7, stop]] * 6, stop)
+    STEP_BUDGET.start(0.5)  # two 0.4 s steps do not fit
+    try:
+        with pytest.raises(CallStalled, match="step's budget for reward and environment calls ran out"):
+            multi_turn_generate(engine, [prompt("r0", 0)], params, mt, lambda p: {})
+        STEP_BUDGET.start(0.5)
+        (ahead,) = multi_turn_generate(engine, [prompt("r0", 0)], params, replace(mt, step_budget=False), lambda p: {})
+    finally:
+        STEP_BUDGET.start(0.0)
+    assert [t["reward"] for t in ahead.turns] == [1.0, 1.0] and not any("error" in t for t in ahead.turns)

@@ -168,8 +168,8 @@ class HFEngine:
         return gather_responses(batch, policy_forward(self.model, batch, temperature).logp, "cpu")
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Copies of the weights it serves, by the names `update_weights` takes."""
-        return ((name, param.detach().clone()) for name, param in self.model.named_parameters())
+        """Copies of the weights it serves, on the CPU, by the names `update_weights` takes."""
+        return ((name, param.detach().to("cpu", copy=True)) for name, param in self.model.named_parameters())
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -125,12 +125,13 @@ class FastExperienceMaker:
     def make(self, prompts: list[Prompt]) -> tuple[list[Experience], dict[str, float]]:
         return self.finish(self.generate_and_score(prompts))
 
-    def start_rollouts(self, prompts: list[Prompt], seed: int | None) -> InFlight:
+    def start_rollouts(self, prompts: list[Prompt], seed: int | None, step_budget: bool = True) -> InFlight:
         """Multi-turn rollouts of `prompts`, started (their environments' constructions sent)
-        to be finished by `generate_and_score`."""
+        to be finished by `generate_and_score`; `step_budget`: as MultiTurn's."""
         s = self.settings
-        steps = multi_turn_steps(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
-        return InFlight(steps, s.multi_turn.environments)
+        mt = replace(s.multi_turn, step_budget=step_budget)
+        steps = multi_turn_steps(self.engine, prompts, replace(s.sampling, seed=seed), mt, sample_fields)
+        return InFlight(steps, mt.environments)
 
     def generate_and_score(self, prompts: list[Prompt], seed: int | None = None, started: InFlight | None = None) -> list[Experience]:
         """Rollouts with their rewards (best-of-n applied); the rest is filled by `finish`.

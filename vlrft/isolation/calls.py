@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vlrft.isolation.budget import STEP_BUDGET
-from vlrft.workers import CallFailed, CallTimedOut, Worker, raised_text
+from vlrft.workers import CallFailed, CallTimedOut, Worker, raised_text, uncapped
 
 _abandoned = 0  # calls abandoned at their timeout in a thread (a thread cannot be killed)
 _still_running: dict[Callable, list[threading.Thread]] = {}  # fn -> its abandoned threads not yet done
@@ -73,12 +73,13 @@ def call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float, ki
     return Outcome(outcome["value"])
 
 
-def call_in_worker(worker: Worker, fn: Callable, args: tuple, timeout_s: float, kind: str, what: str) -> Outcome:
+def call_in_worker(worker: Worker, fn: Callable, args: tuple, timeout_s: float, kind: str, what: str,
+                   budgeted: bool = True) -> Outcome:
     """fn(*args) in `worker` with a timeout that kills it (vlrft.workers); as call_in_thread,
-    the step's budget may cut it short (CallStalled)."""
+    the step's budget may cut it short (CallStalled), unless not `budgeted`."""
     started = time.monotonic()
     try:
-        return Outcome(worker.call(fn, args, timeout_s, cap=STEP_BUDGET.limit))
+        return Outcome(worker.call(fn, args, timeout_s, cap=STEP_BUDGET.limit if budgeted else uncapped))
     except CallTimedOut as timed_out:
         if timed_out.capped:
             raise STEP_BUDGET.stalled(what) from None

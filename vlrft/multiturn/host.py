@@ -77,29 +77,36 @@ class EnvironmentHost:
         first, self._next_worker = self._next_worker, (self._next_worker + count) % len(self.workers)
         return [(first + i) % len(self.workers) for i in range(count)]
 
-    def construct(self, what: str, worker: int = 0) -> Held:
-        """A fresh environment in worker `worker`; its handle."""
+    def construct(self, what: str, worker: int = 0, budgeted: bool = True) -> Held:
+        """A fresh environment in worker `worker`; its handle. `budgeted`: the step's budget for
+        reward and environment calls may cut this call short (as the other calls' same flag)."""
         key = next(self._keys)
-        self._call(worker, construct, (self.name, self.args, key), what)
+        self._call(worker, construct, (self.name, self.args, key), what, budgeted)
         return Held(key, worker, self.workers[worker].generation)
 
-    def reset(self, held: Held, sample: dict, what: str) -> None:
-        self._call_held(held, reset, (held.key, sample), what)
+    def reset(self, held: Held, sample: dict, what: str, budgeted: bool = True) -> None:
+        self._call_held(held, reset, (held.key, sample), what, budgeted)
 
-    def step(self, held: Held, action: str, what: str) -> Any:
+    def step(self, held: Held, action: str, what: str, budgeted: bool = True) -> Any:
         """What the environment's `step` returned (checked by the caller: environment.as_step)."""
-        return self._call_held(held, step, (held.key, action), what)
+        return self._call_held(held, step, (held.key, action), what, budgeted)
 
     def release(self, helds: list[Held]) -> None:
-        """Drop finished trajectories' environments from their workers. Outside the step's
-        budget and never a failure: a release that times out kills the worker, which frees them too."""
-        for index, worker in enumerate(self.workers):
-            alive = [h.key for h in helds if h.worker == index and h.generation == worker.generation]
-            if alive and worker.running:
-                try:
-                    worker.call(release, (alive,), self.timeout_s)
-                except CallFailed:
-                    pass
+        """Drop finished trajectories' environments from their workers, in each worker's queue
+        (after its calls already queued; not waited for). Outside the step's budget and never a
+        failure: a release that times out kills the worker, which frees them too."""
+        for index in {h.worker for h in helds}:
+            keys = [(h.key, h.generation) for h in helds if h.worker == index]
+            self._queues[index].submit(self._release_in, index, keys)
+
+    def _release_in(self, index: int, keys: list[tuple[int, int]]) -> None:
+        worker = self.workers[index]
+        alive = [key for key, generation in keys if generation == worker.generation]
+        if alive and worker.running:
+            try:
+                worker.call(release, (alive,), self.timeout_s)
+            except CallFailed:
+                pass
 
     def stop(self) -> None:
         """End every worker process (they also end with this object and at exit)."""
@@ -108,16 +115,16 @@ class EnvironmentHost:
         for queue in self._queues:
             queue.shutdown(wait=False)
 
-    def _call_held(self, held: Held, fn: Callable, args: tuple, what: str) -> Any:
+    def _call_held(self, held: Held, fn: Callable, args: tuple, what: str, budgeted: bool) -> Any:
         worker = self.workers[held.worker]
         if held.generation != worker.generation or not worker.running:
             ended = self._lost.get((held.worker, held.generation), "it was stopped")
             raise EnvironmentFailure(f"not run: its environment was lost with its worker process ({ended})")
-        return self._call(held.worker, fn, args, what)
+        return self._call(held.worker, fn, args, what, budgeted)
 
-    def _call(self, index: int, fn: Callable, args: tuple, what: str) -> Any:
+    def _call(self, index: int, fn: Callable, args: tuple, what: str, budgeted: bool) -> Any:
         worker = self.workers[index]
-        outcome = call_in_worker(worker, fn, args, self.timeout_s, "environment", what)
+        outcome = call_in_worker(worker, fn, args, self.timeout_s, "environment", what, budgeted)
         if not worker.running:  # this call ended the worker, and every environment in it
             self._lost[(index, worker.generation)] = f"{what}: {outcome.failure}"
         if outcome.failure is not None:

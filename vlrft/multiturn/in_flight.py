@@ -47,6 +47,7 @@ class InFlight:
                 if meanwhile is None:
                     wait(self.pending)
                 elif not meanwhile():
-                    wait(self.pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                    running = [call for call in self.pending if not call.done()]
+                    wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
             self.advance()
         return self.rollouts

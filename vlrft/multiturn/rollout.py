@@ -32,6 +32,9 @@ class MultiTurn:
     max_turns: int
     max_tokens: int  # response tokens per trajectory: actions and observations together
     encoder: PromptEncoder | None = None  # turns observation images into pixel inputs (VL models)
+    # Whether the step's budget for reward and environment calls bounds the calls (not those of
+    # a batch an async rollout rank started ahead: the budget restarts with each step).
+    step_budget: bool = True
 
 
 @dataclass
@@ -85,11 +88,11 @@ class Trajectory:
 def start(trajectory: Trajectory, mt: MultiTurn, fields: dict, worker: int) -> None:
     """A fresh environment for the trajectory in `worker`, reset to its row; a failure ends it unstarted."""
     try:
-        trajectory.environment = mt.environments.construct(_call("construction", trajectory), worker)
+        trajectory.environment = mt.environments.construct(_call("construction", trajectory), worker, mt.step_budget)
     except EnvironmentFailure as failure:
         return fail(trajectory, f"construction {failure}")
     try:
-        mt.environments.reset(trajectory.environment, fields, _call("reset", trajectory))
+        mt.environments.reset(trajectory.environment, fields, _call("reset", trajectory), mt.step_budget)
     except EnvironmentFailure as failure:
         fail(trajectory, f"reset {failure}")
 
@@ -123,7 +126,8 @@ def record(trajectory: Trajectory, action: Rollout) -> bool:
 def take_step(trajectory: Trajectory, mt: MultiTurn) -> Step | EnvironmentFailure:
     """The environment's answer to the trajectory's last turn (in the worker's thread)."""
     try:
-        return as_step(mt.environments.step(trajectory.environment, trajectory.turns[-1]["action"], _call("step", trajectory)))
+        action = trajectory.turns[-1]["action"]
+        return as_step(mt.environments.step(trajectory.environment, action, _call("step", trajectory), mt.step_budget))
     except EnvironmentFailure as failure:
         return failure
 

@@ -287,11 +287,14 @@ def start_next_batch(trainer, new_weights: Callable[[], bool], held_version: Cal
     took = new_weights()
     started = trainer.started_ahead
     following = (started[-1].step if started else trainer.global_step) + 1
-    if (following <= trainer.cfg.train.total_steps and not board.stopped_after()
-            and held_version() >= needed_version(following, trainer.cfg.train.max_staleness)):
+    if (following <= trainer.cfg.train.total_steps
+            and held_version() >= needed_version(following, trainer.cfg.train.max_staleness)
+            and not board.stopped_after()):
         consumed = trainer.sampler.consumed
         prompts, skipped = draw_prompts(trainer)
-        rollouts = trainer.maker.start_rollouts(prompts, round_seed(trainer, following, 0))
+        # Its environment calls are bounded by their timeout alone: the step budget restarts
+        # with each step, and a batch started ahead would meet the end of another step's.
+        rollouts = trainer.maker.start_rollouts(prompts, round_seed(trainer, following, 0), step_budget=False)
         started.append(StartedBatch(following, prompts, skipped, rollouts, held_version(), consumed))
         return True
     for batch in started:

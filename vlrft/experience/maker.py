@@ -21,7 +21,7 @@ from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.models.value_model import token_values
 from vlrft.multiturn.in_flight import InFlight
-from vlrft.multiturn.rollout import MultiTurn, generate_rollouts, multi_turn_steps
+from vlrft.multiturn.rollout import MultiTurn, multi_turn_steps
 from vlrft.rewards.mix import RewardMix
 from vlrft.distributed import all_gather_1d, all_reduce_max_int, all_reduce_sum
 from vlrft.types import Experience, Prompt, Rollout
@@ -139,12 +139,10 @@ class FastExperienceMaker:
         rollouts, already started by `start_rollouts` with that seed. While multi-turn rollouts
         wait on their environments, `between_turns` (when set) does other work."""
         s = self.settings
-        if started is None and s.multi_turn is not None and self.between_turns is not None:
-            started = self.start_rollouts(prompts, seed)
-        if started is not None:
-            rollouts = started.finish(self.between_turns)
+        if s.multi_turn is None:
+            rollouts = self.engine.generate(prompts, replace(s.sampling, seed=seed))
         else:
-            rollouts = generate_rollouts(self.engine, prompts, replace(s.sampling, seed=seed), s.multi_turn, sample_fields)
+            rollouts = (started or self.start_rollouts(prompts, seed)).finish(self.between_turns)
         totals, components, dense = self.rewards.score(
             [r.response_text for r in rollouts], [completion_fields(r) for r in rollouts]
         )

@@ -9,8 +9,8 @@ one call at a time, from its own thread (`submit`, `each`), so calls into differ
 overlap, and the rank can go on with other work while they run. A call that times out kills
 its worker: its trajectory fails with the timeout, and every other environment held in that
 worker is lost with it: its trajectory's next call fails in one line naming the call that
-timed out (both count as environment failures). The next construction in that worker starts a fresh process. Anything a call
-returns (a Step with its PIL images) comes back pickled.
+timed out (both count as environment failures). The next construction in that worker starts
+a fresh process. Anything a call returns (a Step with its PIL images) comes back pickled.
 """
 
 from __future__ import annotations

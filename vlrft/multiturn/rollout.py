@@ -21,6 +21,7 @@ from vlrft.errors import ConfigError
 from vlrft.models.collate import concat_mm_inputs
 from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step
 from vlrft.multiturn.host import EnvironmentHost, Held
+from vlrft.multiturn.in_flight import InFlight
 from vlrft.multiturn.template import ObservationTemplate
 from vlrft.types import Prompt, Rollout
 
@@ -185,8 +186,8 @@ def multi_turn_steps(
 ) -> Generator[Calls, list, list[Rollout]]:
     """params.n trajectories per prompt, grouped by prompt like `engine.generate`'s rollouts,
     as a generator: it yields each batch of environment calls (the constructions, then each
-    turn's steps) and takes their results back, so that whoever drives it (`drive`,
-    vlrft.multiturn.in_flight) may do other work while they run. Every rank runs the same
+    turn's steps) and takes their results back, so that whoever drives it
+    (vlrft.multiturn.in_flight) may do other work while they run. Every rank runs the same
     number of generate calls (max_turns) so a TP engine's group stays together; a rank whose
     trajectories all ended sends none of its own."""
     if not getattr(engine, "continues_image_prompts", True):
@@ -211,21 +212,11 @@ def multi_turn_steps(
     return [t.rollout() for t in trajectories]
 
 
-def drive(steps: Generator[Calls, list, list[Rollout]], host: EnvironmentHost) -> list[Rollout]:
-    """Run a multi-turn rollout to its end, waiting for each batch of its environment calls."""
-    calls = next(steps)
-    while True:
-        try:
-            calls = steps.send(host.each(calls))
-        except StopIteration as end:
-            return end.value
-
-
 def multi_turn_generate(
     engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, mt: MultiTurn, fields_of: Callable[[Prompt], dict]
 ) -> list[Rollout]:
     """The trajectories of `multi_turn_steps`, generated in one go."""
-    return drive(multi_turn_steps(engine, prompts, params, mt, fields_of), mt.environments)
+    return InFlight(multi_turn_steps(engine, prompts, params, mt, fields_of), mt.environments).finish()
 
 
 def generate_rollouts(

@@ -92,22 +92,11 @@ def _validate_mode(cfg: Config) -> None:
         if train.partial_rollouts:
             raise ConfigError("config key 'train.partial_rollouts' needs train.mode async")
         return
-    if train.partial_rollouts and (cfg.rollout.ranks != 1 or cfg.rollout.engine != "hf"):
+    if train.partial_rollouts and cfg.rollout.ranks != 1:
         # Several rollout ranks would take a version at different points of their collectives.
-        raise ConfigError("config key 'train.partial_rollouts' needs rollout.ranks 1 and rollout.engine hf (docs/async.md)")
+        raise ConfigError("config key 'train.partial_rollouts' needs rollout.ranks 1 (docs/async.md)")
     if cfg.rollout.ranks < 1:
         raise ConfigError("train.mode async needs rollout.ranks >= 1: the ranks that generate")
-    # (key, whether it is set to something async cannot do yet, the setting that works)
-    unsupported = [
-        ("rollout.engine_tp_size", cfg.rollout.engine_tp_size > 1, "1"),
-        # vLLM's start-up builds its world group with torch.distributed.new_group over the whole
-        # job, a collective the trainer ranks never join: it hangs (docs/async.md, "Not yet").
-        ("rollout.engine", cfg.rollout.engine != "hf", "hf"),
-    ]
-    for key, used, works in unsupported:
-        if used:
-            raise ConfigError(f"train.mode async does not support config key '{key}' yet: set it to {works}, "
-                              "or use train.mode sync (docs/async.md)")
 
 
 def validate(cfg: Config) -> None:
@@ -333,6 +322,15 @@ def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = 
         if cfg.rollout.rollout_prompts % rollout_ranks:
             raise ConfigError(
                 f"rollout.rollout_prompts ({cfg.rollout.rollout_prompts}) must be divisible by rollout.ranks ({rollout_ranks})"
+            )
+        tp, trainers = cfg.rollout.engine_tp_size, world_size - rollout_ranks
+        if rollout_ranks % tp:
+            raise ConfigError(f"config key 'rollout.engine_tp_size' ({tp}) must divide rollout.ranks ({rollout_ranks})")
+        if ranks_per_node is not None and ranks_per_node < world_size and (ranks_per_node % tp or trainers % tp):
+            # The trainers take the first ranks, so the rollout ranks' groups start at rank `trainers`.
+            raise ConfigError(
+                f"config key 'rollout.engine_tp_size' ({tp}) must divide the ranks per node ({ranks_per_node}) and the "
+                f"trainer ranks ({trainers}): a tensor-parallel engine group cannot span nodes"
             )
         return
     if cfg.rollout.rollout_prompts % world_size:

@@ -35,9 +35,10 @@ class LaunchError(VlrftError, RuntimeError):
     """The processes were started in a way that cannot form one run; one-line message."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on every interface of this host now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -72,7 +73,7 @@ def init_distributed() -> tuple[int, int]:
             raise LaunchError(problem)
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
             here = device()
             torch.cuda.set_device(here)  # before the group: NCCL binds the current device

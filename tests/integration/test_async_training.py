@@ -66,9 +66,15 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
     ({}, {"ema_beta": 0.99}),
 ])
 def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, train, tiny_text, addition_data, tmp_path):
+    staleness_zero_is_the_synchronous_run(turns, train, tiny_text, addition_data, tmp_path)
+
+
+def staleness_zero_is_the_synchronous_run(rollout: dict, train: dict, tiny_text, addition_data, tmp_path) -> dict:
+    """A 1-rank sync run and a 1 + 1 async run at staleness 0 (`rollout`, `train`: settings of
+    both) log the same metrics at every step. Returns the async run's metrics."""
     reward = {"accuracy_recipe": "recipe.py:distinct_chars"} if train else None
-    sync, _ = run(tmp_path, "sync", 1, tiny_text, addition_data, rollout=turns, reward=reward, **train)
-    asynchronous, out = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1} | turns, reward=reward,
+    sync, _ = run(tmp_path, "sync", 1, tiny_text, addition_data, rollout=rollout, reward=reward, **train)
+    asynchronous, out = run(tmp_path, "async", 2, tiny_text, addition_data, rollout={"ranks": 1} | rollout, reward=reward,
                             mode="async", max_staleness=0, **train)
     assert sorted(sync) == sorted(asynchronous) == [0, 1, 2, 3]
     for step in (1, 2, 3):
@@ -82,6 +88,7 @@ def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, trai
     if train:  # a fraction, not 0 or 1 (evaluating the live policy instead gives another one: checked by hand)
         assert 0 < sync[3]["eval/accuracy"] < 1
     assert "held-out accuracy by step: 0:" in out
+    return asynchronous
 
 
 # (3, 2, 0): two rollout ranks decide DAPO's resampling together (an all-reduce of their own).
@@ -160,16 +167,21 @@ def by_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
 # trainers 0 and 1 under ZeRO-3 with a policy EMA, rollout rank 2; kill trainer 1)
 @pytest.mark.parametrize("ranks, zero_stage, victim, ahead", [(2, 2, 1, True), (3, 3, 1, False)])
 def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zero_stage, victim, ahead, tiny_text, addition_data, tmp_path):
+    kill_9_and_resume(ranks, zero_stage, victim, ahead, tiny_text, addition_data, tmp_path)
+
+
+def kill_9_and_resume(ranks, zero_stage, victim, ahead, tiny_text, addition_data, tmp_path, rollout=None) -> None:
     """kill -9 of one rank (torchrun ends the others) once step 2's checkpoint exists, while the
     rollout rank is held inside a later batch's reward call; the rerun resumes at step 2 and
     every step trains exactly the prompts the sampler gives it: none lost, none twice (with a
-    batch started ahead, its prompts were drawn before step 2's checkpoint: drawn again)."""
+    batch started ahead, its prompts were drawn before step 2's checkpoint: drawn again).
+    `rollout`: more rollout settings (the engine)."""
     (tmp_path / "recipe.py").write_text(HELD_RECIPE)
     rows = [json.loads(line)["id"] for line in (addition_data / "train.jsonl").read_text().splitlines()]
     config = {
         "model": {"path": tiny_text},
         "data": {"train_path": str(addition_data / "train.jsonl"), "eval_path": str(addition_data / "test.jsonl")},
-        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": 1},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": 1} | (rollout or {}),
         "train": {"total_steps": 6, "lr": 1e-2, "micro_batch_tokens": 200, "mode": "async", "max_staleness": 1,
                   "zero_stage": zero_stage},
         "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}, {"recipe": "exact_match"}]},
@@ -188,7 +200,8 @@ def test_kill_9_of_either_role_resumes_with_every_prompt_trained_once(ranks, zer
     (tmp_path / "hold").touch()  # HELD_RECIPE: reward calls wait once killed/.../step_000002 exists
     proc = launch(path, ranks=ranks)
     checkpoint = tmp_path / "killed" / "checkpoints" / "step_000002"
-    kill_after_checkpoint_of(proc, checkpoint, victim)
+    survivors = kill_after_checkpoint_of(proc, checkpoint, victim)
+    assert not [p for p in survivors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # (vLLM's engine processes too)
     assert sorted(p.name for p in checkpoint.iterdir()) == ["policy"] + [f"rank{r}.pt" for r in range(ranks)] + ["trainer.pt"]
     (tmp_path / "hold").unlink()
     out = finish(launch(path, ranks=ranks))
@@ -254,7 +267,8 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(tiny_te
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5]
 
 
-def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> None:
+def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> list[psutil.Process]:
+    """kill -9 rank `rank` once `checkpoint` exists; the run's other processes, which must end."""
     import time
 
     deadline = time.time() + 300
@@ -262,6 +276,10 @@ def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> None:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.2)
-    by_rank(psutil.Process(proc.pid), rank).kill()  # SIGKILL: torchrun then ends the other rank
+    launcher = psutil.Process(proc.pid)
+    others = launcher.children(recursive=True)
+    by_rank(launcher, rank).kill()  # SIGKILL: torchrun then ends the other rank
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out[-3000:]
+    psutil.wait_procs(others, timeout=20)
+    return others

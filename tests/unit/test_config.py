@@ -164,16 +164,16 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
         check_world_size(cfg, 5)
 
 
-@pytest.mark.parametrize("override, works", [
-    ("rollout.engine=vllm rollout.engine_tp_size=2", "1"),
-    ("rollout.engine=vllm", "hf"),
-])
-def test_async_mode_refuses_what_it_cannot_do_yet_by_key(override, works, tmp_path):
-    base = ["train.mode=async", "rollout.ranks=1", "checkpoint.save_steps=0"]
-    load_config(write(tmp_path, BASE), base)
-    key = override.split()[-1].split("=")[0]
-    with pytest.raises(ConfigError, match=f"does not support config key '{key}' yet: set it to {works}"):
-        load_config(write(tmp_path, BASE), base + override.split())
+def test_async_tensor_parallel_engines_must_fit_the_rollout_ranks_and_the_nodes(tmp_path):
+    base = ["train.mode=async", "checkpoint.save_steps=0", "rollout.engine=vllm", "rollout.engine_tp_size=2",
+            "rollout.rollout_prompts=12"]
+    check_world_size(load_config(write(tmp_path, BASE), base + ["rollout.ranks=2"]), 3)  # one node: any trainer count
+    check_world_size(load_config(write(tmp_path, BASE), base + ["rollout.ranks=4"]), 8, ranks_per_node=4)
+    with pytest.raises(ConfigError, match="'rollout.engine_tp_size' \\(2\\) must divide rollout.ranks \\(3\\)"):
+        check_world_size(load_config(write(tmp_path, BASE), base + ["rollout.ranks=3"]), 4)
+    # 3 trainers first: the rollout ranks' pair would be global ranks 3 and 4, on two nodes.
+    with pytest.raises(ConfigError, match="divide the ranks per node \\(4\\) and the trainer ranks \\(3\\)"):
+        check_world_size(load_config(write(tmp_path, BASE), base + ["rollout.ranks=2"]), 5, ranks_per_node=4)
 
 
 def test_rollout_correction_auto_corrects_only_where_async_samples_from_older_weights(tmp_path):

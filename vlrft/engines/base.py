@@ -79,7 +79,16 @@ def _make_hf_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) 
 
 @ENGINES.register("vllm")
 def _make_vllm_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) -> RolloutEngine:
+    from vlrft.distributed import global_world_size, world_size
     from vlrft.engines.vllm_engine import VLLMEngine
+
+    if world_size() != global_world_size():
+        # An async run's rollout rank: vLLM takes the whole job as its world, so it runs in a
+        # process whose world is the rollout ranks' engines (engine_process.py). The policy
+        # EMA's evaluation puts the last weights sent back afterwards: it keeps them.
+        from vlrft.engines.engine_process import EngineProcess
+
+        return EngineProcess("vllm", cfg, tokenizer, stop_ids, banned_ids, keep_weights=cfg.train.ema_beta > 0)
 
     return VLLMEngine(
         cfg.model.path,

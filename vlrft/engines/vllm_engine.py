@@ -4,6 +4,7 @@ construction and the group arithmetic are testable without it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -106,6 +107,17 @@ def vllm_sampling_kwargs(params: SamplingParams, stop_ids: list[int], banned_ids
     }
 
 
+@dataclasses.dataclass
+class PartialResponse:
+    """A response of partial generation: its tokens and their logprobs so far."""
+
+    prompt_ids: list[int]
+    seed: int | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    base: int = 0  # tokens it had when its current request was submitted
+
+
 class VLLMEngine:
     # Prompts with images go to vLLM as text (request_for), which a multi-turn continuation's
     # token ids cannot be turned back into without re-tokenizing (vlrft/multiturn/rollout.py);
@@ -158,6 +170,11 @@ class VLLMEngine:
             raise EngineSetupError(problem)
         self._said_no_sleep = False
         self._cache_asleep = False
+        # Partial rollouts (async, one rollout rank): called between decoding steps; True when it
+        # loaded newer weights (by `update_weights`). None: generate as one vLLM call.
+        self.new_weights: Callable[[], bool] | None = None
+        self._in_flight: dict[str, PartialResponse] = {}  # partial generation's requests now in vLLM
+        self._paused: list[int] = []  # and those update_weights took out, by response index
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=tp_size,
@@ -206,6 +223,9 @@ class VLLMEngine:
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
         from vllm import SamplingParams as VllmSamplingParams
 
+        if self.new_weights is not None:
+            return self._generate_partial(prompts, params)
+
         def sampling(count: int) -> list:
             return [VllmSamplingParams(**vllm_sampling_kwargs(params, self.stop_ids, self.banned_ids, seed))
                     for seed in request_seeds(params.seed, self.group_index, count)]
@@ -222,6 +242,61 @@ class VLLMEngine:
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
                 rollouts.append(make_rollout(prompt, list(sample.token_ids), self.tokenizer, self.stop_ids, logprobs))
         return rollouts
+
+    def _generate_partial(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        """Partial rollouts: every response is a request of its own (n = 1, seeded as the
+        response's position), decoded a step at a time. Between steps `new_weights` may load
+        newer weights; `update_weights` then takes the responses in flight out of vLLM (their
+        cache holds the old weights' keys and values), and each goes on as a new request of its
+        prompt and tokens so far, under the new weights. Every token keeps the logprob of the
+        weights that sampled it."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        if any(p.images for p in prompts):  # (a continuation is token ids, which cannot carry the images)
+            raise EngineSetupError("partial rollouts with rollout.engine vllm take text prompts only; use rollout.engine hf")
+        engine = self.llm.llm_engine
+        one = dataclasses.replace(params, n=1)
+        seeds = request_seeds(params.seed, self.group_index, len(prompts) * params.n)
+        responses = [PartialResponse(list(p.prompt_ids), seed)
+                     for p, seed in zip((p for p in prompts for _ in range(params.n)), seeds)]
+
+        def submit(index: int) -> None:
+            response = responses[index]
+            kwargs = vllm_sampling_kwargs(one, self.stop_ids, self.banned_ids, response.seed)
+            kwargs["max_tokens"] = params.max_new_tokens - len(response.tokens)
+            # (Ids of their own: an evaluation inside `new_weights` runs LLM.generate, numbered from "0".)
+            engine.add_request(f"partial-{index}", {"prompt_token_ids": response.prompt_ids + response.tokens},
+                               VllmSamplingParams(**kwargs))
+            response.base = len(response.tokens)
+            self._in_flight[f"partial-{index}"] = response
+
+        for index in range(len(responses)):
+            submit(index)
+        while self._in_flight:
+            for output in engine.step():
+                response = self._in_flight[output.request_id]
+                sample = output.outputs[0]
+                response.tokens[response.base:] = list(sample.token_ids)
+                response.logprobs[response.base:] = [step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)]
+                if output.finished:
+                    del self._in_flight[output.request_id]
+            if self._in_flight and self.new_weights():  # update_weights took them out: continue them
+                paused, self._paused = self._paused, []
+                for index in paused:
+                    submit(index)
+        return [make_rollout(prompt, r.tokens, self.tokenizer, self.stop_ids, r.logprobs)
+                for prompt, r in zip((p for p in prompts for _ in range(params.n)), responses)]
+
+    def _pause_in_flight(self) -> None:
+        """Take partial generation's requests out of vLLM, keeping their tokens; each goes on
+        with a seed of its own (the old one would replay the random draws already used)."""
+        if not self._in_flight:
+            return
+        self.llm.llm_engine.abort_request(list(self._in_flight))
+        for request_id, response in self._in_flight.items():
+            response.seed = None if response.seed is None else derived_seed(response.seed, len(response.tokens))
+            self._paused.append(int(request_id.removeprefix("partial-")))
+        self._in_flight = {}
 
     def prefix_cache_counts(self) -> tuple[float, float]:
         """(hits, queries) of vLLM's prefix cache, in prompt tokens, since the engine started."""
@@ -249,6 +324,7 @@ class VLLMEngine:
         # vLLM's supported in-place reload: tensors in checkpoint (HF) names and shapes; vLLM
         # maps names (its own hf_to_vllm_mapper), shards for TP and re-processes kernel layouts.
         # The iterator is consumed inside, as the backend gathers each bucket of parameters.
+        self._pause_in_flight()
         weights = checkpoint_format(named_tensors, self.aliases)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

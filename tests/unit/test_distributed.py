@@ -193,3 +193,18 @@ def test_resume_is_decided_once_and_errors_name_the_key(world_of_one, tmp_path):
     torch.save({"step": 4, "world_size": 2, "config": config}, saved / "trainer.pt")
     with pytest.raises(ConfigError, match=r"step_000004 is incomplete: no rank1.pt"):
         resume_decision("auto", tmp_path, 0, config, 2)
+
+
+def test_callbacks_before_shutdown_run_while_the_group_exists_last_registered_first(world_of_one):
+    import torch.distributed as dist
+
+    from vlrft.distributed import before_shutdown, init_distributed, shutdown_distributed
+
+    seen = []
+    before_shutdown(lambda: seen.append(("first", dist.is_initialized())))
+    before_shutdown(lambda: seen.append(("second", dist.is_initialized())))
+    shutdown_distributed()
+    assert seen == [("second", True), ("first", True)] and not dist.is_initialized()
+    shutdown_distributed()  # each callback runs once
+    assert len(seen) == 2
+    init_distributed()  # (the session's other in-process tests find their world of one again)

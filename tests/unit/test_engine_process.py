@@ -3,6 +3,7 @@ rollout rank runs vLLM), exercised with the HF engine: the same answers as in-pr
 streamed in buckets, errors named, and no engine process outliving its rollout rank."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -122,18 +123,63 @@ def test_an_engine_error_is_named_and_the_weights_stream_is_read_to_its_end(engi
     assert len(child.generate(prompts, GREEDY)) == 2 * len(prompts)  # it still serves
 
 
-def test_an_engine_process_that_dies_stops_the_next_call(tiny_text, addition_data):
-    local, encoder = make_engine(tiny_text)
+def hf_engine_process(tiny_text, addition_data):
+    """A fresh HF engine process and three prompts."""
+    _, encoder = make_engine(tiny_text)
     cfg = Config()
     cfg.model.path = tiny_text
     tok = encoder.tokenizer
-    child = EngineProcess("hf", cfg, tok, stop_token_ids(tok), banned_token_ids(tok))
+    prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(addition_data / "test.jsonl")[:3])]
+    return EngineProcess("hf", cfg, tok, stop_token_ids(tok), banned_token_ids(tok)), prompts
+
+
+def test_an_engine_process_that_dies_stops_the_next_call(tiny_text, addition_data):
+    child, prompts = hf_engine_process(tiny_text, addition_data)
     child.process.kill()
+    child.process.join()  # gone before the call: the request cannot even be sent
     with pytest.raises(EngineProcessError, match="engine process of rollout rank 0 exited \\(code -9\\) during a call"):
-        child.generate([encoder.encode(load_rows(addition_data / "test.jsonl")[0], 0)], GREEDY)
+        child.generate(prompts, GREEDY)
+    cfg = Config()
     cfg.model.path = "/nonexistent/model"  # a start-up failure is raised too, with the engine's own message
     with pytest.raises(EngineProcessError, match="rank 0: FileNotFoundError: no HF checkpoint \\(config.json\\) in /nonexistent"):
-        EngineProcess("hf", cfg, tok, [0], [])
+        EngineProcess("hf", cfg, None, [0], [])
+
+
+def test_a_stop_signal_leaves_the_engine_to_its_rollout_rank(tiny_text, addition_data):
+    """Ctrl-C and a preemption's SIGTERM reach the whole process group: the rollout rank stops
+    after a checkpoint and needs its engine until then."""
+    child, prompts = hf_engine_process(tiny_text, addition_data)
+    os.kill(child.process.pid, signal.SIGTERM)
+    os.kill(child.process.pid, signal.SIGINT)
+    assert len(child.generate(prompts, GREEDY)) == 2 * len(prompts)
+    child.close()
+    assert child.process.exitcode == 0
+
+
+def test_a_call_failing_on_this_side_leaves_no_engine_waiting(tiny_text, addition_data):
+    """An exception in the partial-rollouts hook (a broadcast that failed) or in a weights stream
+    leaves the engine waiting inside a call: later calls say so, and closing ends it at once."""
+    for failing in ("hook", "stream"):
+        child, prompts = hf_engine_process(tiny_text, addition_data)
+
+        def broken_hook():
+            raise ConnectionError("broadcast failed")
+
+        def broken_stream():
+            yield from moved_weights(tiny_text, 1.0)[:2]
+            raise ConnectionError("broadcast failed")
+
+        with pytest.raises(ConnectionError, match="broadcast failed"):
+            if failing == "hook":
+                child.new_weights = broken_hook
+                child.generate(prompts, GREEDY)
+            else:
+                child.update_weights(broken_stream())
+        with pytest.raises(EngineProcessError, match="rank 0: .* failed \\(ConnectionError\\) while the engine"):
+            child.generate(prompts, GREEDY)
+        start = time.monotonic()
+        child.close()
+        assert child.process.exitcode == 0 and time.monotonic() - start < 10, failing
 
 
 RANK = """

@@ -78,11 +78,27 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+class _Closed(BaseException):
+    """The rollout rank closed the pipe, or asked the engine process to end, wherever the engine
+    process was waiting for it (a BaseException: no engine code catches it on its way out)."""
+
+
+def _next_message(conn):
+    """The rollout rank's next message; _Closed at its end ("close", or the pipe closed)."""
+    try:
+        message = conn.recv()
+    except EOFError:
+        raise _Closed from None
+    if isinstance(message, tuple) and message[0] == "close":
+        raise _Closed
+    return message
+
+
 def _incoming(conn) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights the rollout rank streams: ask for each bucket, until the end mark."""
     while True:
         conn.send(("next", None))
-        bucket = conn.recv()
+        bucket = _next_message(conn)
         if bucket is None:
             return
         yield from bucket
@@ -97,6 +113,10 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
     """The engine process: join the engine processes' world, build the engine, then answer
     calls until the rollout rank closes the pipe."""
     _die_with_parent(parent)
+    # A Ctrl-C or a preemption's SIGTERM reaches every process of the rank's group: the rollout
+    # rank stops after a checkpoint and still needs its engine until then. It ends this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(env)
     from vlrft.distributed import exit_process, init_distributed
@@ -117,7 +137,7 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
         newer weights."""
         conn.send(("poll", None))
         while True:
-            method, args = conn.recv()
+            method, args = _next_message(conn)
             if method == "polled":
                 return args
             answer(method, args)
@@ -140,14 +160,11 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
             return
         conn.send(("ok", result))
 
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:  # the rollout rank is gone
-            break
-        if method == "close":
-            break
-        answer(method, args)
+    try:
+        while True:
+            answer(*_next_message(conn))
+    except _Closed:  # (also from inside a call: a poll, a weights stream the rollout rank abandoned)
+        pass
     exit_process(0)
 
 
@@ -162,6 +179,7 @@ class EngineProcess:
         from vlrft.distributed import all_gather_objects, free_port, rank, world_size
 
         self.rank, self.keep_weights, self.kept = rank(), keep_weights, []
+        self.broken = ""  # why the pipe is out of step (an exception left a call half done)
         self._hook = None  # partial rollouts' new_weights, run here when the engine polls
         # Engine 0 serves the engines' store, on a port its rollout rank found free.
         meeting = all_gather_objects((socket.gethostname(), socket.getfqdn(), free_port() if self.rank == 0 else 0))
@@ -189,20 +207,35 @@ class EngineProcess:
         self._call("partial", hook is not None)
         self._hook = hook
 
+    def _exited(self, starting: bool = False) -> EngineProcessError:
+        self.process.join(5)
+        return EngineProcessError(
+            f"the engine process of rollout rank {self.rank} exited (code {self.process.exitcode}) "
+            f"{'while starting' if starting else 'during a call'}: its own error is in the run log above")
+
+    def _send(self, message) -> None:
+        if self.broken:
+            raise EngineProcessError(f"engine process of rollout rank {self.rank}: {self.broken}")
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # (BrokenPipeError: it is gone)
+            raise self._exited() from None
+
     def _receive(self, starting: bool = False) -> tuple[str, object]:
         """The engine's next message, after running the hook for each poll it sends meanwhile."""
         while True:
             try:
                 kind, value = self.conn.recv()
             except (EOFError, ConnectionError):
-                self.process.join(5)
-                raise EngineProcessError(
-                    f"the engine process of rollout rank {self.rank} exited (code {self.process.exitcode}) "
-                    f"{'while starting' if starting else 'during a call'}: its own error is in the run log above"
-                ) from None
+                raise self._exited(starting) from None
             if kind != "poll":
                 return kind, value
-            self.conn.send(("polled", self._hook is not None and bool(self._hook())))
+            try:
+                took = self._hook is not None and bool(self._hook())
+            except BaseException as error:  # the engine waits for an answer that will not come
+                self.broken = f"partial rollouts' hook failed ({type(error).__name__}) while the engine waited on it"
+                raise
+            self._send(("polled", took))
 
     def _reply(self, answer: tuple[str, object]):
         """The value of the engine's answer; its error raised here."""
@@ -217,7 +250,7 @@ class EngineProcess:
         return value
 
     def _call(self, method: str, *args):
-        self.conn.send((method, args))
+        self._send((method, args))
         return self._reply(self._receive())
 
     def generate(self, prompts: list, params) -> list:
@@ -237,24 +270,34 @@ class EngineProcess:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream the weights to the engine, a bucket each time it asks for one. The stream is
-        read to its end whatever the engine does: it is a broadcast the trainers are sending."""
-        self.conn.send(("update_weights", ()))
+        read to its end whatever happens: it is a broadcast the trainers are sending."""
         stream, kept = iter(named_tensors), []
-        for bucket in buckets(stream):
-            if self.keep_weights:
-                kept += [(name, tensor.to("cpu", copy=True)) for name, tensor in bucket]
-            answer = self._receive()
-            if answer[0] != "next":  # it stopped reading: an error, or done before the end
-                break
-            self.conn.send(bucket)
-        else:
-            answer = self._receive()
-            if answer[0] == "next":
-                self.conn.send(None)
-                self._reply(self._receive())
-                # (A version without tensors, a frozen actor's, leaves the weights as they were.)
-                self.kept = kept or self.kept
-                return
+        try:
+            self._send(("update_weights", ()))
+            for bucket in buckets(stream):
+                if self.keep_weights:  # (a CPU tensor is the stream's own, never written again: kept as it is)
+                    kept += [(name, tensor.to("cpu")) for name, tensor in bucket]
+                answer = self._receive()
+                if answer[0] != "next":  # it stopped reading: an error, or done before the end
+                    break
+                self._send(bucket)
+            else:
+                answer = self._receive()
+                if answer[0] == "next":
+                    self._send(None)
+                    self._reply(self._receive())
+                    if torch.cuda.is_available():  # the engine has let go of the buckets' memory: free it here
+                        torch.cuda.ipc_collect()
+                    # (A version without tensors, a frozen actor's, leaves the weights as they were.)
+                    self.kept = kept or self.kept
+                    return
+        except EngineProcessError:
+            for _ in stream:
+                pass
+            raise
+        except BaseException as error:  # the stream failed: the engine waits for a bucket
+            self.broken = f"a weights stream failed ({type(error).__name__}) while the engine read it"
+            raise
         for _ in stream:
             pass
         self._reply(answer)  # raises the engine's error

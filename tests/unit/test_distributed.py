@@ -195,16 +195,25 @@ def test_resume_is_decided_once_and_errors_name_the_key(world_of_one, tmp_path):
         resume_decision("auto", tmp_path, 0, config, 2)
 
 
-def test_callbacks_before_shutdown_run_while_the_group_exists_last_registered_first(world_of_one):
-    import torch.distributed as dist
+SHUTDOWN_ORDER = """
+import torch.distributed as dist
+from vlrft.distributed import before_shutdown, init_distributed, shutdown_distributed
+init_distributed()
+seen = []
+before_shutdown(lambda: seen.append(("first", dist.is_initialized())))
+before_shutdown(lambda: seen.append(("second", dist.is_initialized())))
+shutdown_distributed()
+shutdown_distributed()  # each callback runs once
+print(seen, dist.is_initialized())
+"""
 
-    from vlrft.distributed import before_shutdown, init_distributed, shutdown_distributed
 
-    seen = []
-    before_shutdown(lambda: seen.append(("first", dist.is_initialized())))
-    before_shutdown(lambda: seen.append(("second", dist.is_initialized())))
-    shutdown_distributed()
-    assert seen == [("second", True), ("first", True)] and not dist.is_initialized()
-    shutdown_distributed()  # each callback runs once
-    assert len(seen) == 2
-    init_distributed()  # (the session's other in-process tests find their world of one again)
+def test_callbacks_before_shutdown_run_while_the_group_exists_last_registered_first():
+    # In a process of its own: this session's group is held by DeepSpeed in other tests.
+    # (Without the launch variables a world of one this session may have set: a store of its own.)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                           "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_ORDER], capture_output=True, text=True, timeout=120,
+                          env=env | {"PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[('second', True), ('first', True)] False"

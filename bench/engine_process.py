@@ -1,12 +1,12 @@
 """What running the engine in a process of its own costs (vlrft/engines/engine_process.py: how
 an async run's rollout rank runs vLLM), measured with the HF engine on both sides.
 
-    python bench/engine_process.py                 # a ~0.2B-parameter Qwen2-shaped model, fp32
-    python bench/engine_process.py --layers 2      # smaller
+    python bench/engine_process.py
 
-Prints, for the same engine in this process and in a child process: the time to load one
-version of the weights (`update_weights`), its rate in GB/s, and the time of a small greedy
-generate call; the ratios are the price of the process boundary. On the CPU each bucket of
+The model and prompts are bench/engine.py's (a random ~33M-parameter Qwen2-shaped model, fp32;
+prompts of 64 random tokens). Prints, for the same engine in this process and in a child
+process: the time to load one version of the weights (`update_weights`), its rate in GB/s,
+and the time of a small greedy generate call; the ratios are the price of the process boundary. On the CPU each bucket of
 weights is copied once into shared memory on its way; on GPUs the tensors go as CUDA IPC
 handles (not measured here).
 """
@@ -14,7 +14,6 @@ handles (not measured here).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -25,24 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def build_model(out: Path, layers: int) -> str:
-    """A random Qwen2-shaped checkpoint (hidden 1024, the tiny tokenizer) in `out`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from data_tools.make_tiny_model import build_text_model
-
-    tiny = build_text_model(out / "tiny", warmup_steps=0)
-    config = AutoConfig.from_pretrained(tiny)
-    config.update({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": layers,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": False,
-                   "layer_types": ["full_attention"] * layers})
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out / "model")
-    for f in Path(tiny).glob("*token*"):
-        shutil.copy(f, out / "model")
-    shutil.copy(Path(tiny) / "chat_template.jinja", out / "model")
-    return str(out / "model")
+from engine import save_model  # noqa: E402  (bench/engine.py: the same model)
 
 
 def timed(call, repeats: int) -> float:
@@ -58,21 +40,20 @@ def timed(call, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
+    from data_tools.tiny_tokenizer import build_tokenizer
     from vlrft.config import Config
-    from vlrft.data.encoding import PromptEncoder
     from vlrft.engines import SamplingParams
     from vlrft.engines.engine_process import EngineProcess
     from vlrft.engines.hf_engine import HFEngine
     from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
+    from vlrft.types import Prompt
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp), args.layers)
-        encoder = PromptEncoder(path, 3136, 12544, 512)
-        tok = encoder.tokenizer
+    with tempfile.TemporaryDirectory() as path:
+        save_model(path)
+        tok = build_tokenizer()
         stop, banned = stop_token_ids(tok), banned_token_ids(tok)
         local = HFEngine(path, tok, stop, banned)
         cfg = Config()
@@ -80,9 +61,9 @@ def main() -> None:
         child = EngineProcess("hf", cfg, tok, stop, banned)
         weights = [(n, p.detach().clone()) for n, p in load_model(path).named_parameters()]
         gigabytes = sum(t.numel() * t.element_size() for _, t in weights) / 1e9
-        rows_in = [{"id": f"q{i}", "messages": [{"role": "user", "content": [{"type": "text", "text": f"What is {i} + {i}?"}]}],
-                    "answer": str(2 * i), "data_source": "bench", "meta": {}} for i in range(4)]
-        prompts = [encoder.encode(row, i) for i, row in enumerate(rows_in)]
+        g = torch.Generator().manual_seed(0)
+        prompts = [Prompt(id=str(i), data_source="bench", answer="", meta={}, prompt_text="",
+                          prompt_ids=torch.randint(10, 600, (64,), generator=g).tolist(), index=i) for i in range(4)]
         greedy = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, greedy=True)
         rows = []
         for name, engine in (("in this process", local), ("engine process", child)):
@@ -90,7 +71,7 @@ def main() -> None:
             generate = timed(lambda: engine.generate(prompts, greedy), args.repeats)
             rows.append((name, load, generate))
         child.close()
-    print(f"weights: {gigabytes:.2f} GB ({args.layers} layers, fp32); generate: 4 prompts x 2, 8 tokens, greedy")
+    print(f"weights: {gigabytes:.2f} GB (fp32); generate: 4 prompts x 2, 8 tokens, greedy")
     print(f"{'engine':<18}{'load weights s':>16}{'GB/s':>8}{'generate s':>12}")
     for name, load, generate in rows:
         print(f"{name:<18}{load:>16.3f}{gigabytes / load:>8.2f}{generate:>12.3f}")

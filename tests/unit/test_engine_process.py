@@ -137,7 +137,7 @@ def test_an_engine_process_that_dies_stops_the_next_call(tiny_text, addition_dat
     child, prompts = hf_engine_process(tiny_text, addition_data)
     child.process.kill()
     child.process.join()  # gone before the call: the request cannot even be sent
-    with pytest.raises(EngineProcessError, match="engine process of rollout rank 0 exited \\(code -9\\) during a call"):
+    with pytest.raises(EngineProcessError, match="engine process of rollout rank 0 exited \\(killed by SIGKILL\\) during a call"):
         child.generate(prompts, GREEDY)
     cfg = Config()
     cfg.model.path = "/nonexistent/model"  # a start-up failure is raised too, with the engine's own message

@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from vlrft.errors import ConfigError, VlrftError
+from vlrft.workers import error_text, exit_text, one_line
 
 # Weights travel to the engine process in buckets of about this size: one round trip each, and
 # at most one bucket's tensors held for it at a time.
@@ -104,6 +105,14 @@ def _incoming(conn) -> Iterator[tuple[str, torch.Tensor]]:
         yield from bucket
 
 
+def _error(error: Exception) -> tuple[str, tuple[str, bool]]:
+    """The answer that carries `error` to the rollout rank: its one-line text, and whether it
+    is a configuration error (raised there as one, with its own message)."""
+    if isinstance(error, ConfigError):
+        return "error", (one_line(str(error)), True)
+    return "error", (error_text(error), False)
+
+
 # What the rollout side reads of an engine besides its methods (absent: the engine default).
 ENGINE_TRAITS = ("continues_image_prompts", "scores_images")
 
@@ -127,7 +136,7 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
         # Its world is the engines' alone: the factory builds the engine itself (vLLM: VLLMEngine).
         engine = ENGINES.get(engine_name)(cfg, tokenizer, stop_ids, banned_ids)
     except Exception as error:
-        conn.send(("error", (type(error).__name__, str(error), isinstance(error, ConfigError))))
+        conn.send(_error(error))
         exit_process(1)
     conn.send(("ok", {name: getattr(engine, name) for name in ENGINE_TRAITS if hasattr(engine, name)}))
 
@@ -156,7 +165,7 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
             else:
                 result = getattr(engine, method)(*args)
         except Exception as error:
-            conn.send(("error", (type(error).__name__, str(error), isinstance(error, ConfigError))))
+            conn.send(_error(error))
             return
         conn.send(("ok", result))
 
@@ -210,7 +219,7 @@ class EngineProcess:
     def _exited(self, starting: bool = False) -> EngineProcessError:
         self.process.join(5)
         return EngineProcessError(
-            f"the engine process of rollout rank {self.rank} exited (code {self.process.exitcode}) "
+            f"the engine process of rollout rank {self.rank} exited ({exit_text(self.process.exitcode)}) "
             f"{'while starting' if starting else 'during a call'}: its own error is in the run log above")
 
     def _send(self, message) -> None:
@@ -241,10 +250,10 @@ class EngineProcess:
         """The value of the engine's answer; its error raised here."""
         kind, value = answer
         if kind == "error":
-            name, message, is_config = value
+            message, is_config = value
             if is_config:
                 raise ConfigError(message)
-            raise EngineProcessError(f"engine process of rollout rank {self.rank}: {name}: {message}")
+            raise EngineProcessError(f"engine process of rollout rank {self.rank}: {message}")
         if kind != "ok":
             raise EngineProcessError(f"engine process of rollout rank {self.rank} answered {kind!r} out of turn")
         return value

@@ -264,9 +264,9 @@ class VLLMEngine:
             raise EngineSetupError("partial rollouts with rollout.engine vllm take text prompts only; use rollout.engine hf")
         engine = self.llm.llm_engine
         one = dataclasses.replace(params, n=1)
-        seeds = request_seeds(params.seed, self.group_index, len(prompts) * params.n)
-        responses = [PartialResponse(list(p.prompt_ids), seed)
-                     for p, seed in zip((p for p in prompts for _ in range(params.n)), seeds)]
+        expanded = [p for p in prompts for _ in range(params.n)]  # a response's prompt
+        seeds = request_seeds(params.seed, self.group_index, len(expanded))
+        responses = [PartialResponse(list(p.prompt_ids), seed) for p, seed in zip(expanded, seeds)]
 
         def submit(index: int) -> None:
             response = responses[index]
@@ -293,7 +293,7 @@ class VLLMEngine:
                 for index in paused:
                     submit(index)
         return [make_rollout(prompt, r.tokens, self.tokenizer, self.stop_ids, r.logprobs)
-                for prompt, r in zip((p for p in prompts for _ in range(params.n)), responses)]
+                for prompt, r in zip(expanded, responses)]
 
     def _pause_in_flight(self) -> None:
         """Take partial generation's requests out of vLLM, keeping their tokens; each goes on

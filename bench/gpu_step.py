@@ -23,8 +23,9 @@ checkpointed layer's recomputation is not counted): 6 x (decoder matmul paramete
 plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per sequence of length s (QK^T and AV,
 forward and backward), plus the LM head 6 x hidden x vocab per response token, divided by the
 update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
-throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens.
-Last, whether pinned host memory pays for moving a VL update's pixel inputs to the GPU.
+throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens;
+and the optimizer step, torch's fused AdamW (vlrft's) against its foreach form and the memory
+bound. Last, whether pinned host memory pays for moving a VL update's pixel inputs to the GPU.
 """
 
 from __future__ import annotations
@@ -192,6 +193,49 @@ def bench_transfer(args) -> str:
             f"{1e3 * pageable:.0f} ms, pinned {1e3 * from_pinned:.0f} ms (pinning them: {1e3 * pinning:.0f} ms)")
 
 
+def bench_optimizer(shape, args) -> str:
+    """One AdamW step over the shape's parameters (vision tower included) as DeepSpeed's ZeRO
+    stages 1-3 hand them to vlrft's optimizer: one flat fp32 partition and its gradient. torch's
+    fused kernel (vlrft's choice) against its foreach form, and against the memory bound: the
+    step reads weight, gradient and both moments and writes weight and moments, 28 bytes per
+    parameter, at the bandwidth a device copy reaches here."""
+    count = sum(p.numel() for p in build_model(shape, "sdpa", args.compute_dtype, "meta").parameters())
+
+    def synchronize():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def best_of(fn, repeats: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize()
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    source = torch.empty(2**28, device=args.device)  # 1 GiB
+    target = torch.empty_like(source)
+    bandwidth = 2 * source.nbytes / best_of(lambda: target.copy_(source))  # bytes read and written
+    del source, target
+    seconds = {}
+    for form in ("fused", "foreach"):
+        weight = torch.zeros(count, device=args.device, requires_grad=True)
+        weight.grad = torch.randn(count, device=args.device)
+        optimizer = torch.optim.AdamW([weight], lr=1e-6, **{form: True})
+        optimizer.step()  # creates the moments
+        seconds[form] = best_of(optimizer.step)
+        del weight, optimizer
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    bound = 28 * count / bandwidth
+    return (f"{shape:>5} AdamW step over {count / 1e9:.2f}B fp32 parameters (one ZeRO partition): fused "
+            f"{1e3 * seconds['fused']:.1f} ms, foreach {1e3 * seconds['foreach']:.1f} ms "
+            f"({seconds['foreach'] / seconds['fused']:.2f}x fused); memory bound {1e3 * bound:.1f} ms at "
+            f"{bandwidth / 1e12:.2f} TB/s copied (fused {seconds['fused'] / bound:.2f}x the bound)")
+
+
 def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", only: str = "update") -> list[str]:
     """This script, measuring one setting in a process of its own."""
     return [sys.executable, __file__, "--only", only, "--shapes", shape, "--zero", str(zero), "--checkpointing",
@@ -215,7 +259,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H100 SXM bf16: 989)")
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--only", choices=["update", "rollout", "transfer"], help=argparse.SUPPRESS)  # a child
+    parser.add_argument("--only", choices=["update", "rollout", "optimizer", "transfer"], help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.only:
         init_distributed()  # a world of one: DeepSpeed needs a process group
@@ -224,8 +268,9 @@ def main() -> None:
         if args.only == "transfer":
             print(bench_transfer(args), flush=True)
         else:
-            print(bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args) if args.only == "update"
-                  else bench_rollout(shape, args), flush=True)
+            bench = {"update": lambda: bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args),
+                     "rollout": lambda: bench_rollout(shape, args), "optimizer": lambda: bench_optimizer(shape, args)}
+            print(bench[args.only](), flush=True)
         exit_process()
     print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, attention "
           f"{resolve_attention(args.attention, args.compute_dtype)}, compute {args.compute_dtype}, "
@@ -238,6 +283,7 @@ def main() -> None:
             for ckpt in args.checkpointing:
                 run_child(child_command(args, shape, zero, ckpt), f"{shape:>5} ZeRO-{zero} checkpointing {ckpt}")
         run_child(child_command(args, shape, only="rollout"), f"{shape:>5} HF engine rollout")
+        run_child(child_command(args, shape, only="optimizer"), f"{shape:>5} AdamW step")
     run_child(child_command(args, args.shapes[0], only="transfer"), "host-to-device copies")
 
 

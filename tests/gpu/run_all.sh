@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one place, for a CUDA machine with PyTorch: the GPU tests, the colour demo
-# on one GPU under torchrun/NCCL, and the update benchmark. Each part's log goes to LOG_DIR
-# (default runs/gpu) as well as to the terminal.
+# on one GPU under torchrun/NCCL, and the benchmarks. Each part's log goes to LOG_DIR (default
+# runs/gpu), named after the part (demo-bfloat16-2.log).
 #
 #   bash tests/gpu/run_all.sh tests                 # pytest -m gpu tests/gpu
 #   bash tests/gpu/run_all.sh demo:float32:2 demo:bfloat16:2 demo:bfloat16:3   # dtype:ZeRO stage[:seed]
@@ -9,17 +9,56 @@
 #   bash tests/gpu/run_all.sh bench                 # every shape, ZeRO stage and checkpointing
 #   bash tests/gpu/run_all.sh shared:36             # bench/shared_prefix.py, bf16, 3B widths at LAYERS layers
 #
+# Parts joined by '+' run at the same time, each into its own log only (a line each says how it
+# ended): the tests and the demos, which neither fill the GPU nor are timed. Run benchmarks
+# alone. Every part runs even after one failed; the exit status is 1 if any failed.
+#   DEADLINE=SECONDS  every part is stopped that long after the start ("cut at the deadline");
+#                     parts not begun by then are skipped. Sized to a lease of the machine.
+#   ARCHIVE=FILE      all logs packed into FILE (.tgz) at the end, however the run ended.
+#
+# One call's worth on a lent H100 (about 8 minutes; docs/scaling.md, "Checking a GPU machine"):
+#   DEADLINE=480 LOG_DIR=/tmp/gpu ARCHIVE=$OUT/gpu-logs.tgz bash tests/gpu/run_all.sh \
+#       tests+demo:bfloat16:2:0+demo:bfloat16:2:1+demo:float32:2+demo:bfloat16:3 bench:1.5B shared:36
+#
 # Without a package index: build the wheels on a machine with one
 # (`bash tests/gpu/wheelhouse.sh .whl 3.12`), bring `.whl/` along; they are installed into
 # /tmp/site first (WHEELS names another folder).
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/../.."
+
+if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this way, under `timeout`)
+    IFS=: read -r what a b c <<< "$2"
+    case $what in
+        tests)
+            exec python3 -m pytest -m gpu tests/gpu -v -rs ;;
+        demo)  # the full 100-step colour demo, one rank, on a port of its own (demos may run at once)
+            dtype=${a:-bfloat16} zero=${b:-2} seed=${c:-0}
+            name=$dtype-zero$zero-seed$seed
+            PET_MASTER_PORT=$(python3 -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])") \
+            NPROC=1 bash examples/color_shapes/run.sh "model.compute_dtype=$dtype" "train.zero_stage=$zero" \
+                "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" || exit
+            cp "runs/gpu-demo-$name/metrics.jsonl" "$3/metrics-$name.jsonl" ;;
+        bench)
+            exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ;;
+        shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
+            exec python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" ;;
+    esac
+    exit
+fi
+
+one_part='(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:+]+)?|shared(:[0-9]+)?)'
 for part in "$@"; do  # a typo fails now, not after an hour of the parts before it
-    [[ $part =~ ^(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:]+)?|shared(:[0-9]+)?)$ ]] || {
-        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS])" >&2; exit 2; }
+    [[ $part =~ ^$one_part(\+$one_part)*$ ]] || {
+        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)" >&2
+        exit 2; }
 done
+started=$(date +%s)
 log_dir=${LOG_DIR:-runs/gpu}
 mkdir -p "$log_dir"
+log_dir=$(cd "$log_dir" && pwd)
+if [ -n "${ARCHIVE:-}" ]; then
+    trap 'tar czf "$ARCHIVE" -C "$log_dir" . && echo "run_all: logs in $ARCHIVE"' EXIT
+fi
 # The checkout itself is imported from here (bench/ and the launcher run it without an install).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 wheels=${WHEELS:-.whl}
@@ -34,25 +73,56 @@ if ! command -v python >/dev/null; then  # images that only name python3 (the la
 fi
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'deepspeed', deepspeed.__version__, 'GPU',
-torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tail -1
+torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tail -1 | tee "$log_dir/versions.log"
+if [[ " $* " =~ demo ]]; then  # built once here: demos started together would race to build them
+    [ -f artifacts/tiny-vl/config.json ] || python3 -m data_tools.make_tiny_model --kind vl --out artifacts/tiny-vl
+    [ -f artifacts/colors/train.jsonl ] || python3 -m data_tools.synth_shapes --task colors --out artifacts/colors
+fi
 
-for part in "$@"; do
-    IFS=: read -r what a b c <<< "$part"
-    start=$(date +%s)
-    case $what in
-        tests)
-            python3 -m pytest -m gpu tests/gpu -v -rs 2>&1 | tee "$log_dir/tests.log" ;;
-        demo)  # the full 100-step colour demo, one rank
-            dtype=${a:-bfloat16} zero=${b:-2} seed=${c:-0}
-            name=$dtype-zero$zero-seed$seed
-            NPROC=1 bash examples/color_shapes/run.sh "model.compute_dtype=$dtype" "train.zero_stage=$zero" \
-                "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" 2>&1 | tee "$log_dir/demo-$name.log"
-            cp "runs/gpu-demo-$name/metrics.jsonl" "$log_dir/metrics-$name.jsonl" ;;
-        bench)
-            python3 bench/gpu_step.py ${a:+--shapes "$a"} 2>&1 | tee "$log_dir/bench${a:+-$a}.log" ;;
-        shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
-            python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" 2>&1 \
-                | tee "$log_dir/shared-prefix.log" ;;
+seconds_left() {  # until the deadline (0: none set, which `timeout` reads as no limit)
+    if [ -z "${DEADLINE:-}" ]; then echo 0; else echo $(( started + DEADLINE - $(date +%s) )); fi
+}
+
+verdict() {  # verdict PART STATUS SECONDS LOG: one line on how the part ended, and what it found
+    local how
+    case $2 in
+        0) how=passed ;;
+        124|137) how="cut at the deadline" ;;
+        *) how="FAILED (exit status $2)" ;;
     esac
-    echo "run_all: $part took $(( $(date +%s) - start )) s"
+    local found  # pytest's summary, or the demo's accuracy curve (its last evaluation if cut)
+    found=$(grep -oE 'held-out accuracy by step: .*$|step +[0-9]+ +held-out accuracy [0-9.]+|=+ [0-9]+ (passed|failed|skipped|errors?).* =+$' "$4" | tail -1)
+    echo "run_all: $1 $how after $3 s${found:+: $found}"
+}
+
+status=0
+for group in "$@"; do
+    IFS=+ read -ra parts <<< "$group"
+    left=$(seconds_left)
+    if [ -n "${DEADLINE:-}" ] && [ "$left" -le 0 ]; then
+        echo "run_all: $group skipped: the deadline (DEADLINE=$DEADLINE s) has passed"
+        status=1
+        continue
+    fi
+    begin=$(date +%s)
+    if [ ${#parts[@]} = 1 ]; then  # alone: its output on the terminal too
+        timeout --kill-after=20 "$left" bash "$0" --one "$group" "$log_dir" < /dev/null 2>&1 | tee "$log_dir/${group//:/-}.log"
+        code=${PIPESTATUS[0]}
+        verdict "$group" "$code" $(( $(date +%s) - begin )) "$log_dir/${group//:/-}.log"
+        [ "$code" = 0 ] || status=1
+        continue
+    fi
+    pids=()
+    for part in "${parts[@]}"; do
+        timeout --kill-after=20 "$left" bash "$0" --one "$part" "$log_dir" < /dev/null > "$log_dir/${part//:/-}.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!parts[@]}"; do
+        wait "${pids[$i]}"
+        code=$?
+        verdict "${parts[$i]}" "$code" $(( $(date +%s) - begin )) "$log_dir/${parts[$i]//:/-}.log"
+        [ "$code" = 0 ] || status=1
+    done
 done
+echo "run_all: done in $(( $(date +%s) - started )) s"
+exit $status

@@ -27,8 +27,10 @@ def test_the_engine_process_joins_its_own_world_on_its_rank_s_device():
     job = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
            "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "6", "PATH": "/bin"}
     child = child_environment(job, 1, 2, "127.0.0.1", 4242)
-    # The agent's store holds the job's keys: the engines' world gets a store of its own.
-    assert "TORCHELASTIC_USE_AGENT_STORE" not in child and "GROUP_RANK" not in child and "ROLE_WORLD_SIZE" not in child
+    # The agent's store holds the job's keys: the engines' world gets a store of its own, which
+    # rollout rank 0 serves (so every engine process joins it as a client).
+    assert "GROUP_RANK" not in child and "ROLE_WORLD_SIZE" not in child
+    assert child["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert (child["RANK"], child["WORLD_SIZE"], child["MASTER_ADDR"], child["MASTER_PORT"]) == ("1", "2", "127.0.0.1", "4242")
     assert child["LOCAL_RANK"] == "1" and child["PATH"] == "/bin" and child["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
@@ -58,6 +60,7 @@ def moved_weights(path: str, scale: float) -> list[tuple[str, torch.Tensor]]:
 
 def test_it_answers_and_loads_weights_as_the_engine_in_process(engines, tiny_text, monkeypatch):
     local, child, prompts = engines
+    assert child.store.num_keys() > 0  # the engine process's world met at the store served here
     answered = child.generate(prompts, GREEDY)
     assert [r.response_ids for r in answered] == [r.response_ids for r in local.generate(prompts, GREEDY)]
     assert all(r.prompt is prompts[r.group_id] for r in answered)  # the caller's prompts, not copies

@@ -1,8 +1,12 @@
 """tests/gpu/run_all.sh, the one command a GPU machine runs: it refuses a mistyped part before
-running anything, and its `tests` part runs the GPU tests (which skip on CPU, saying why)."""
+running anything; its `tests` part runs the GPU tests (which skip on CPU, saying why); parts
+joined by '+' run at the same time, a failed one does not stop the others, each ends with a
+verdict line, and the logs are packed into ARCHIVE however the run ended; past DEADLINE, parts
+are skipped."""
 
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -11,22 +15,42 @@ import torch
 RUN_ALL = Path(__file__).resolve().parents[2] / "tests" / "gpu" / "run_all.sh"
 
 
-def run_all(*parts, tmp_path):
-    env = {**os.environ, "LOG_DIR": str(tmp_path / "logs"), "WHEELS": str(tmp_path / "no-wheels")}
+def run_all(*parts, tmp_path, **env):
+    env = {**os.environ, "LOG_DIR": str(tmp_path / "logs"), "WHEELS": str(tmp_path / "no-wheels"),
+           "ARCHIVE": str(tmp_path / "logs.tgz"), **env}
     return subprocess.run(["bash", str(RUN_ALL), *parts], capture_output=True, text=True, env=env, timeout=600)
+
+
+def archived(tmp_path) -> set[str]:
+    with tarfile.open(tmp_path / "logs.tgz") as archive:
+        return {Path(name).name for name in archive.getnames() if name.endswith(".log")}
 
 
 def test_a_mistyped_part_stops_before_anything_runs(tmp_path):
     done = run_all("tests", "demo:fp16:2", tmp_path=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS])"
+    assert done.stderr.strip() == ("run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], "
+                                   "bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)")
     assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the GPU tests run themselves, at full length")
-def test_the_tests_part_runs_the_gpu_tests_and_logs_them(tmp_path):
-    done = run_all("tests", tmp_path=tmp_path)
+def test_parts_run_together_a_failure_stops_nothing_and_every_log_is_archived(tmp_path):
+    # On CPU the benchmarks, asked for the GPU, fail at once: a failed part among the others.
+    done = run_all("tests+bench:tiny", "shared:2", tmp_path=tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("run_all: ")]
+    verdicts = {line.split()[1]: line for line in lines[:3]}
+    assert verdicts["tests"].startswith("run_all: tests passed after ") and "skipped in" in verdicts["tests"]
+    assert "FAILED (exit status 1)" in verdicts["bench:tiny"] and "FAILED (exit status 1)" in verdicts["shared:2"]
     log = (tmp_path / "logs" / "tests.log").read_text()
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "test_colour_demo_trains_on_one_gpu_with_nccl" in log and "no CUDA GPU is visible" in log
-    assert "run_all: tests took" in done.stdout
+    assert archived(tmp_path) == {"versions.log", "tests.log", "bench-tiny.log", "shared-2.log"}
+
+
+def test_parts_after_the_deadline_are_skipped_and_the_run_fails(tmp_path):
+    done = run_all("tests", "bench:tiny+shared:2", tmp_path=tmp_path, DEADLINE="1")
+    assert done.returncode == 1
+    assert "run_all: tests skipped: the deadline (DEADLINE=1 s) has passed" in done.stdout
+    assert "run_all: bench:tiny+shared:2 skipped: the deadline (DEADLINE=1 s) has passed" in done.stdout
+    assert archived(tmp_path) == {"versions.log"}

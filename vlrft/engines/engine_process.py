@@ -45,11 +45,12 @@ class EngineProcessError(VlrftError, RuntimeError):
 
 def child_environment(env: dict[str, str], rank: int, world: int, address: str, port: int) -> dict[str, str]:
     """The environment of rollout rank `rank`'s engine process: a torchrun-like world of the
-    `world` engine processes meeting at address:port (the first one serves the store), on the
-    rollout rank's own device (LOCAL_RANK kept)."""
+    `world` engine processes meeting at the store served at address:port (by rollout rank 0
+    itself: they join it as clients, as torchrun's workers join their agent's), on the rollout
+    rank's own device (LOCAL_RANK kept)."""
     child = {k: v for k, v in env.items() if not k.startswith(JOB_ONLY_PREFIXES)}
     child.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=address, MASTER_PORT=str(port),
-                 VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                 TORCHELASTIC_USE_AGENT_STORE="True", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     child.setdefault("LOCAL_RANK", "0")  # (a rank started without torchrun: a world of one)
     return child
 
@@ -185,13 +186,16 @@ class EngineProcess:
 
     def __init__(self, engine_name: str, cfg, tokenizer, stop_ids: list[int], banned_ids: list[int],
                  keep_weights: bool = False):
-        from vlrft.distributed import all_gather_objects, free_port, rank, world_size
+        from vlrft.distributed import all_gather_objects, rank, world_size
 
         self.rank, self.keep_weights, self.kept = rank(), keep_weights, []
         self.broken = ""  # why the pipe is out of step (an exception left a call half done)
         self._hook = None  # partial rollouts' new_weights, run here when the engine polls
-        # Engine 0 serves the engines' store, on a port its rollout rank found free.
-        meeting = all_gather_objects((socket.gethostname(), socket.getfqdn(), free_port() if self.rank == 0 else 0))
+        # The engines' store is served from rollout rank 0, bound here to a port the system picks:
+        # a port found free now and bound by the engine process later, after seconds of imports,
+        # could be taken by another program meanwhile.
+        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if self.rank == 0 else None
+        meeting = all_gather_objects((socket.gethostname(), socket.getfqdn(), self.store.port if self.store else 0))
         single_node = len({host for host, _, _ in meeting}) == 1
         address = "127.0.0.1" if single_node else meeting[0][1]
         env = child_environment(dict(os.environ), self.rank, world_size(), address, meeting[0][2])

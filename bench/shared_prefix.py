@@ -62,7 +62,9 @@ def tiny_model_path() -> Path:
     return TINY
 
 
-def wide_model(layers: int, compute_dtype: str) -> torch.nn.Module:
+def wide_model(layers: int, compute_dtype: str, device: str) -> torch.nn.Module:
+    """The 3B-wide random model, initialised on `device` (at full depth: 3.8B parameters, a
+    long random initialisation on a CPU)."""
     config = AutoConfig.from_pretrained(tiny_model_path())  # the tiny tokenizer's special-token ids
     for key, value in WIDE.items():
         setattr(config.text_config, key, value)
@@ -75,7 +77,8 @@ def wide_model(layers: int, compute_dtype: str) -> torch.nn.Module:
     config.vision_config.fullatt_block_indexes = [layers - 1]
     config.tie_word_embeddings = True  # as the 3B checkpoint
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, attn_implementation=resolve_attention("auto", compute_dtype))
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation=resolve_attention("auto", compute_dtype))
     model.config.use_cache = False
     model.compute_dtype = getattr(torch, compute_dtype)
     use_patchwise_conv3d(model)
@@ -158,7 +161,7 @@ def main(argv=None) -> None:
         if name == "tiny":
             model = load_model(str(tiny_model_path()), resolve_attention("auto", args.compute_dtype), args.compute_dtype).eval()
         else:
-            model = wide_model(args.layers, args.compute_dtype)
+            model = wide_model(args.layers, args.compute_dtype, args.device)
         model.to(args.device)
         for shape in args.shapes:
             if name == "wide" and shape == "demo":

@@ -49,7 +49,7 @@ class ModelConfig:
     freeze_vision: bool = False  # train without updating the vision tower (policy and critic)
     # How packed samples are kept apart in attention: auto | sdpa (block-diagonal mask) |
     # flash_attention_2 (varlen kernel; CUDA + flash-attn + bfloat16) | torch_varlen (PyTorch's
-    # built-in varlen FlashAttention; CUDA + torch >= 2.10 + bfloat16). See models/attention.py.
+    # built-in varlen FlashAttention; CUDA + torch >= 2.11 + bfloat16). See models/attention.py.
     attention: str = "auto"
     # Decoder compute precision for policy, reference and critic forwards: float32 | bfloat16
     # (autocast over fp32 master weights; LM head, logprobs and value head stay fp32).

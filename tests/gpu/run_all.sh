@@ -41,7 +41,7 @@ if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this
         bench)
             exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ;;
         shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
-            exec python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" ;;
+            exec python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" --threads "$(nproc)" ;;
     esac
     exit
 fi
@@ -71,9 +71,31 @@ if ! command -v python >/dev/null; then  # images that only name python3 (the la
     mkdir -p /tmp/python-shim && ln -sf "$(command -v python3)" /tmp/python-shim/python
     export PATH=/tmp/python-shim:$PATH
 fi
-python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers',
-transformers.__version__, 'deepspeed', deepspeed.__version__, 'GPU',
-torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tail -1 | tee "$log_dir/versions.log"
+# Every import a part makes, first: an image that lacks a package (or holds one too old for
+# transformers' import-time checks) fails here in one line, not in every part.
+needs_pytest=$([[ " $* " =~ tests ]] && echo 1 || echo 0)
+python3 - "$needs_pytest" > "$log_dir/versions.log" 2>&1 <<'PY'
+import sys
+try:
+    import deepspeed, peft, torch, transformers
+    from transformers import get_constant_schedule_with_warmup  # (imports accelerate through peft)
+    import vlrft.cli, vlrft.trainer.spmd_trainer, vlrft.backends.deepspeed_backend
+    from vlrft.models.attention import attention_missing
+    if sys.argv[1] == "1":
+        import pytest
+except Exception as error:
+    sys.exit(f"run_all: this environment cannot run the checks: {type(error).__name__}: {error}")
+print("torch", torch.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__,
+      "peft", peft.__version__, "GPU", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+print("torch_varlen:", attention_missing("torch_varlen") or "ready", "| flash_attention_2:",
+      attention_missing("flash_attention_2") or "ready")
+PY
+preflight=$?
+cat "$log_dir/versions.log"
+if [ $preflight != 0 ]; then
+    echo "run_all: nothing was run (WHEELS=$wheels: carry what is missing, tests/gpu/wheelhouse.sh)"
+    exit 3
+fi
 if [[ " $* " =~ demo ]]; then  # built once here: demos started together would race to build them
     [ -f artifacts/tiny-vl/config.json ] || python3 -m data_tools.make_tiny_model --kind vl --out artifacts/tiny-vl
     [ -f artifacts/colors/train.jsonl ] || python3 -m data_tools.synth_shapes --task colors --out artifacts/colors

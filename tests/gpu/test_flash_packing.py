@@ -5,7 +5,7 @@ shared-prompt micro-batches (`train.share_prompts`), whose responses attend to t
 through the kernels' end-aligned causal attention over unequal query and key lengths.
 
 Each kernel's tests skip where it cannot run (no CUDA GPU; flash-attn not installed, `pip install
-'vlrft[gpu]'`; torch < 2.10). The same paths with plain-torch stand-ins for the kernels run on
+'vlrft[gpu]'`; torch < 2.11). The same paths with plain-torch stand-ins for the kernels run on
 CPUs: tests/unit/test_varlen_attention.py and tests/unit/test_torch_varlen.py.
 """
 

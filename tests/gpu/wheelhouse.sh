@@ -14,10 +14,12 @@
 set -euo pipefail
 dir=${1:-.whl} python_version=${2:-3.12}
 cd "$(dirname "$0")/../.."
-# transformers: images often hold an older one (vlrft needs >= 5.19). deepspeed and its
-# needs (hjson, pydantic and pydantic's own). datasets and its needs (parquet and HF data
-# sets as training data). peft: LoRA policies.
-packages=(transformers deepspeed hjson pydantic pydantic_core annotated-types typing-inspection
+# transformers: images often hold an older one (vlrft needs >= 5.19), and regex, which its
+# import checks against a recent minimum. deepspeed and its needs (hjson, pydantic and
+# pydantic's own). datasets and its needs (parquet and HF data sets as training data). peft:
+# LoRA policies. Images with PyTorch usually hold the rest (einops, msgpack, psutil,
+# accelerate, tokenizers, huggingface-hub, safetensors, pytest); run_all.sh names any missing.
+packages=(transformers regex deepspeed hjson pydantic pydantic_core annotated-types typing-inspection
           datasets dill multiprocess peft)
 mkdir -p "$dir"
 pinned=()

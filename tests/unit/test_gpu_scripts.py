@@ -2,7 +2,7 @@
 running anything; its `tests` part runs the GPU tests (which skip on CPU, saying why); parts
 joined by '+' run at the same time, a failed one does not stop the others, each ends with a
 verdict line, and the logs are packed into ARCHIVE however the run ended; past DEADLINE, parts
-are skipped."""
+are skipped; an environment that cannot import what the parts need stops before them."""
 
 import os
 import subprocess
@@ -53,4 +53,15 @@ def test_parts_after_the_deadline_are_skipped_and_the_run_fails(tmp_path):
     assert done.returncode == 1
     assert "run_all: tests skipped: the deadline (DEADLINE=1 s) has passed" in done.stdout
     assert "run_all: bench:tiny+shared:2 skipped: the deadline (DEADLINE=1 s) has passed" in done.stdout
+    assert archived(tmp_path) == {"versions.log"}
+
+
+def test_an_environment_missing_a_package_stops_before_any_part(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "peft.py").write_text("raise ImportError('no peft on this image')\n")
+    done = run_all("tests", "bench:1.5B", tmp_path=tmp_path, PYTHONPATH=str(planted))
+    assert done.returncode == 3
+    assert "run_all: this environment cannot run the checks: ImportError: no peft on this image" in done.stdout
+    assert "run_all: nothing was run" in done.stdout and "passed" not in done.stdout
     assert archived(tmp_path) == {"versions.log"}

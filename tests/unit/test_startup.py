@@ -1,6 +1,8 @@
-"""Start-up costs the launch path avoids: torchrun's --help in the example launcher, and the
-inductor stack DeepSpeed would load for its Muon optimizer."""
+"""Start-up costs the launch path avoids: torchrun's --help in the example launcher, the
+inductor stack DeepSpeed would load for its Muon optimizer, and the shared-memory all-reduce
+DeepSpeed would compile for CPU ranks."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +23,22 @@ def test_deepspeed_backend_loads_without_torch_inductor():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["[]", "MuonWithAuxAdam"]
+
+
+def test_deepspeed_compiles_no_shared_memory_allreduce_for_cpu_ranks(tmp_path):
+    probe = (
+        "import torch, deepspeed.comm.comm as comm\n"
+        "from vlrft.distributed import init_distributed\n"
+        "from vlrft.backends.deepspeed_backend import DeepSpeedBackend\n"
+        "init_distributed()\n"
+        "DeepSpeedBackend(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0, grad_clip=1.0, zero_stage=2)\n"
+        "print(type(comm.cdb).__name__, comm.cdb.shm_comm_op)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}  # where a build would land
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["TorchBackend", "None"]
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")

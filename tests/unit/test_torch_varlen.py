@@ -88,7 +88,7 @@ def test_torch_varlen_packed_vision_language_forward_equals_per_sample(reference
 
 
 def test_torch_varlen_repeats_key_value_heads_for_kernels_without_gqa(reference_varlen, monkeypatch, tiny_text, addition_data):
-    """torch 2.10-2.12's kernel has no enable_gqa: the grouped key/value heads are repeated."""
+    """A kernel without enable_gqa (torch 2.11): the grouped key/value heads are repeated."""
     monkeypatch.setattr(torch_varlen, "NATIVE_GQA", False)
     rollouts = text_rollouts(tiny_text, addition_data)
     sdpa, varlen = load_model(tiny_text).eval(), load_model(tiny_text, attention=TORCH_VARLEN).eval()
@@ -124,7 +124,13 @@ def test_torch_varlen_refuses_dropout_and_sliding_windows():
 
 def test_torch_varlen_missing_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(torch_varlen, "varlen_attn", None)
-    assert "has no torch.nn.attention.varlen (needs torch >= 2.10)" in torch_varlen.torch_varlen_missing()
+    assert "has no torch.nn.attention.varlen (needs torch >= 2.11)" in torch_varlen.torch_varlen_missing()
+
+    def causal_flag_kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        raise AssertionError("never called")  # torch 2.10's signature: is_causal, no window_size
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", causal_flag_kernel)
+    assert "varlen_attn predates its window_size argument (needs torch >= 2.11)" in torch_varlen.torch_varlen_missing()
     monkeypatch.setattr(torch_varlen, "varlen_attn", ReferenceVarlen())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert torch_varlen.torch_varlen_missing() == "no CUDA GPU is visible"

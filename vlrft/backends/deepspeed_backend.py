@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 import warnings
@@ -44,6 +45,20 @@ def _import_deepspeed_muon_uncompiled() -> None:
 
 
 _import_deepspeed_muon_uncompiled()
+
+
+def _skip_deepspeed_shm_allreduce() -> None:
+    """On CPU ranks DeepSpeed's communication backend compiles, on a machine's first run, a
+    shared-memory all-reduce (C++, 40-60 s on 2 cores) that only its inference all-reduce uses;
+    vlrft's collectives are torch.distributed's. Without the build a first CPU run starts that
+    much sooner, and a run stopped mid-compile cannot leave torch's extension-build lock behind,
+    on which every later run would wait forever without a word."""
+    # (importlib: `import deepspeed.comm.torch as m` binds deepspeed.comm's attribute `torch`,
+    # which is PyTorch itself.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+_skip_deepspeed_shm_allreduce()
 
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint

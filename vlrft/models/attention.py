@@ -6,7 +6,7 @@ Attention (`model.attention`):
 - `flash_attention_2`: no mask. The varlen flash-attention kernel gets each sample's start
   (cumulative lengths), so memory is O(T) and nothing across samples is computed. Needs a CUDA
   GPU, the flash-attn package and bf16 compute (flash-attention has no fp32 kernel).
-- `torch_varlen`: the same, on PyTorch's built-in varlen FlashAttention kernel (torch >= 2.10):
+- `torch_varlen`: the same, on PyTorch's built-in varlen FlashAttention kernel (torch >= 2.11):
   no extra package to build (see torch_varlen.py).
 - `sdpa_segments`: no mask either; each sample's slice of the packed batch goes through causal
   sdpa on its own (cost Σ L_i² instead of T²), on any device and in fp32 (see sdpa_segments.py).

@@ -1,5 +1,5 @@
 """`model.attention: torch_varlen`: PyTorch's own varlen FlashAttention kernel
-(`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10) behind transformers' attention
+(`torch.nn.attention.varlen.varlen_attn`, torch >= 2.11) behind transformers' attention
 interface, so a packed micro-batch runs mask-free on a GPU without the flash-attn package.
 
 Registered with transformers under `TORCH_VARLEN` (a name without "flash", so transformers
@@ -26,14 +26,17 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.10
     varlen_attn = None
-# torch 2.10-2.12's kernel needs as many key/value heads as query heads; later ones share them.
+# Releases whose kernel has no enable_gqa (2.11 among them) need as many key/value heads as
+# query heads; later ones share them.
 NATIVE_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def torch_varlen_missing() -> str:
     """Why PyTorch's varlen kernel cannot run here ("" when it can)."""
     if varlen_attn is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.11)"
+    if "window_size" not in inspect.signature(varlen_attn).parameters:  # 2.10's took is_causal
+        return f"torch {torch.__version__}'s varlen_attn predates its window_size argument (needs torch >= 2.11)"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     if torch.cuda.get_device_capability() < (8, 0):

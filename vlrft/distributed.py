@@ -42,6 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_store() -> dist.TCPStore:
+    """A key-value store served by this process on every interface, on a port the system
+    picks as it binds it (`.port`): processes started later join it as clients, with no window
+    in which another program could take a port found free first."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def launch_problem(env: dict[str, str]) -> str:
     """Why this process cannot join a run from its environment ("" when it can). A plain
     `srun python -m vlrft.cli ...` with several tasks starts N processes that each think they

@@ -186,7 +186,7 @@ class EngineProcess:
 
     def __init__(self, engine_name: str, cfg, tokenizer, stop_ids: list[int], banned_ids: list[int],
                  keep_weights: bool = False):
-        from vlrft.distributed import all_gather_objects, rank, world_size
+        from vlrft.distributed import all_gather_objects, rank, serve_store, world_size
 
         self.rank, self.keep_weights, self.kept = rank(), keep_weights, []
         self.broken = ""  # why the pipe is out of step (an exception left a call half done)
@@ -194,7 +194,7 @@ class EngineProcess:
         # The engines' store is served from rollout rank 0, bound here to a port the system picks:
         # a port found free now and bound by the engine process later, after seconds of imports,
         # could be taken by another program meanwhile.
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if self.rank == 0 else None
+        self.store = serve_store() if self.rank == 0 else None
         meeting = all_gather_objects((socket.gethostname(), socket.getfqdn(), self.store.port if self.store else 0))
         single_node = len({host for host, _, _ in meeting}) == 1
         address = "127.0.0.1" if single_node else meeting[0][1]

@@ -4,11 +4,15 @@ what the fp32 baseline computes (exactly, or within the named rounding)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tests.unit.test_config_wiring import RECIPE
-from vlrft.backends.deepspeed_backend import deepspeed_config
+from vlrft.backends.deepspeed_backend import deepspeed_config, extension_build_locks
 from vlrft.config import ConfigError, load_config
 from vlrft.models.packing import pack
 from vlrft.models.forward import policy_forward
@@ -144,3 +148,39 @@ def test_offload_config_errors_name_the_key(overrides, message, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "cfg.yaml", overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_cpu_adam_build_lock_left_behind_is_named_while_the_run_waits(tmp_path):
+    # A build of DeepSpeed's CPU Adam killed midway leaves torch's lock file; a later run waits
+    # on it forever. It must say so rather than hang in silence.
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    probe = (
+        "import torch\n"
+        "from vlrft.distributed import init_distributed\n"
+        "from vlrft.backends.deepspeed_backend import DeepSpeedBackend\n"
+        "init_distributed()\n"
+        "DeepSpeedBackend(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0, grad_clip=1.0, zero_stage=2, offload='optimizer')\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = next(line for line in proc.stdout if line.startswith("vlrft:"))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert line.strip() == (f"vlrft: DeepSpeed's CPU Adam (train.offload) waits for {lock} to go: another process is "
+                            "building it, or a build was interrupted (then delete the file)")
+
+
+def test_build_locks_are_found_under_torch_s_default_root_too(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    assert extension_build_locks("cpu_adam") == []
+    for folder in ("py311_cpu", "py312_cu130"):
+        (tmp_path / folder / "cpu_adam").mkdir(parents=True)
+    (tmp_path / "py312_cu130" / "cpu_adam" / "lock").touch()
+    assert extension_build_locks("cpu_adam") == [tmp_path / "py312_cu130" / "cpu_adam" / "lock"]

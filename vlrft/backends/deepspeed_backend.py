@@ -61,6 +61,22 @@ def _skip_deepspeed_shm_allreduce() -> None:
 _skip_deepspeed_shm_allreduce()
 
 
+# DeepSpeed compiles its CPU Adam (train.offload) on a machine's first use, under torch's
+# extension-build lock: a file that a build interrupted by a kill leaves behind, and on which
+# every later build waits forever, printing nothing.
+CPU_ADAM_EXTENSION = "cpu_adam"
+
+
+def extension_build_locks(name: str) -> list[Path]:
+    """torch's build locks of extension `name` present now, under TORCH_EXTENSIONS_DIR or
+    torch's default root (one folder per Python version and accelerator)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    candidates = [Path(root) / name / "lock"] if root else Path(get_default_build_root()).glob(f"*/{name}/lock")
+    return [lock for lock in candidates if lock.exists()]
+
+
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint
 
 # Parameters gathered per all-gather when streaming full weights out of ZeRO-3 (weight sync):
@@ -188,6 +204,9 @@ class DeepSpeedBackend:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
             optimizer = None
             scheduler = schedule
+            for lock in extension_build_locks(CPU_ADAM_EXTENSION):
+                print(f"vlrft: DeepSpeed's CPU Adam (train.offload) waits for {lock} to go: another process is "
+                      "building it, or a build was interrupted (then delete the file)", flush=True)
         group = role_group()  # async training: the trainer ranks are DeepSpeed's data-parallel world
         if group is not None:
             route_world_collectives(group)

@@ -18,11 +18,13 @@ copy, gradients, Adam's two states): 44 GB for the 2.2B parameters with the visi
 16384 tokens would not fit an 80 GB card without checkpointing. Each setting runs in a process
 of its own; one that runs out of memory prints a "failed" line and the others go on.
 
-Printed per setting: update tokens/s, MFU and peak GPU memory. MFU counts model FLOPs (a
-checkpointed layer's recomputation is not counted): 6 x (decoder matmul parameters) per token,
-plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per sequence of length s (QK^T and AV,
-forward and backward), plus the LM head 6 x hidden x vocab per response token, divided by the
-update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
+Printed per setting: update tokens/s, MFU and peak GPU memory, and a profile of one more
+update: how busy the GPU was, the shares of matmuls, attention, copies, communication, the
+optimizer and the rest, and the costliest kernels (where the time goes when MFU is low).
+MFU counts model FLOPs (a checkpointed layer's recomputation is not counted): 6 x (decoder
+matmul parameters) per token, plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per
+sequence of length s (QK^T and AV, forward and backward), plus the LM head 6 x hidden x vocab
+per response token, divided by the update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
 throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens;
 and the optimizer step, torch's fused AdamW (vlrft's) against its foreach form and the memory
 bound. Last, whether pinned host memory pays for moving a VL update's pixel inputs to the GPU.
@@ -31,6 +33,7 @@ bound. Last, whether pinned host memory pays for moving a VL update's pixel inpu
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +105,17 @@ def model_flops(shape: str, samples: list[Rollout]) -> float:
     return 6 * (layers * layer_params * tokens + attention + head)
 
 
+def one_update(backend: DeepSpeedBackend, batches, device: str) -> None:
+    """A token-mean policy-gradient update over `batches`, finished on the device."""
+    for i, batch in enumerate(batches):
+        logp = policy_forward(backend.model, batch, 1.0).logp  # [1, T]
+        loss = -(logp * batch.response_mask.to(logp.device)).sum() / batch.response_mask.sum()
+        backend.backward(loss / len(batches), boundary=i == len(batches) - 1)
+    backend.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) -> float:
     """Seconds of one update (best of `repeats`, after one warm-up)."""
     best = float("inf")
@@ -109,16 +123,54 @@ def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) 
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for i, batch in enumerate(batches):
-            logp = policy_forward(backend.model, batch, 1.0).logp  # [1, T]
-            loss = -(logp * batch.response_mask.to(logp.device)).sum() / batch.response_mask.sum()
-            backend.backward(loss / len(batches), boundary=i == len(batches) - 1)
-        backend.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        one_update(backend, batches, device)
         if repeat:
             best = min(best, time.perf_counter() - start)
     return best
+
+
+# Kinds of work an update's time goes to, matched in this order against CUDA kernel names (on
+# a CPU, aten op names); the rest is "other" (elementwise, norms, rotary embeddings, ...).
+WORK_KINDS = (
+    ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather|broadcast"),
+    ("attention", r"flash|fmha|varlen|attention|sdpa|softmax"),
+    ("matmul", r"gemm|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)$"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("copies", r"memcpy|memset|copy|aten::(cat|index|index_select|gather|scatter)"),
+)
+
+
+def work_shares(times: dict[str, float]) -> dict[str, float]:
+    """Each kind of work's fraction of the summed `times` (name -> time)."""
+    total = sum(times.values()) or 1.0
+    shares = dict.fromkeys([kind for kind, _ in WORK_KINDS] + ["other"], 0.0)
+    for name, spent in times.items():
+        kind = next((kind for kind, pattern in WORK_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+        shares[kind] += spent / total
+    return shares
+
+
+def profile_update(backend: DeepSpeedBackend, batches, device: str) -> str:
+    """Where one update's time goes: how busy the GPU (on a CPU: the aten ops) was over its wall
+    time, each kind of work's share of that, and the three costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as profiled:
+        one_update(backend, batches, device)
+    wall = time.perf_counter() - start
+    events = profiled.key_averages()
+    if device == "cuda":
+        times = {e.key: e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA}
+    else:
+        times = {e.key: e.self_cpu_time_total for e in events if e.key.startswith("aten::")}
+    times = {name: spent for name, spent in times.items() if spent > 0}
+    total = sum(times.values()) or 1.0
+    shares = ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in work_shares(times).items())
+    top = ", ".join(f"{name[:50]} {100 * spent / total:.0f}%" for name, spent in sorted(times.items(), key=lambda t: -t[1])[:3])
+    return (f"profile of one update: {'GPU' if device == 'cuda' else 'aten ops'} busy {min(100.0, total / 1e4 / wall):.0f}% "
+            f"of {wall:.2f} s; of that {shares}; costliest: {top}")
 
 
 def bench_update(shape, zero, checkpointing, args) -> str:
@@ -132,6 +184,7 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds = time_updates(backend, batches, args.repeats, args.device)
+    profile = profile_update(backend, batches, args.device)
     tokens = sum(b.input_ids.numel() for b in batches)
     mfu = model_flops(shape, samples) / seconds / (args.peak_tflops * 1e12)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
@@ -139,7 +192,8 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  {len(batches)} micro-batches  "
-            f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s")
+            f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s\n"
+            f"        {profile}")
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import atexit
 import ctypes
 import datetime
 import json
+import multiprocessing
 import os
 import pickle
 import socket
@@ -75,6 +76,11 @@ def init_distributed() -> tuple[int, int]:
     """Join the torchrun process group; a plain `python` run is a world of one. Returns
     (rank, world_size)."""
     if not dist.is_initialized():
+        if getattr(multiprocessing.current_process(), "_inheriting", False):  # (multiprocessing's own flag)
+            raise LaunchError(
+                "the launch script starts training when it is imported, and a process vlrft started with "
+                "`spawn` (an asynchronous run's engine process) imports it again: put the script's training "
+                "code under `if __name__ == \"__main__\":`")
         problem = launch_problem(dict(os.environ))
         if problem:
             raise LaunchError(problem)

@@ -208,6 +208,33 @@ def test_an_engine_process_ends_with_its_rollout_rank_killed(tiny_text):
     engine.wait(timeout=20)  # the kernel's parent-death signal, not a timeout of ours
 
 
+UNGUARDED_LAUNCH_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+from vlrft.config import Config
+from vlrft.distributed import init_distributed
+from vlrft.engines.engine_process import EngineProcess
+init_distributed()  # training at import, no `if __name__ == "__main__":`
+cfg = Config()
+cfg.model.path = sys.argv[1]
+EngineProcess("hf", cfg, AutoTokenizer.from_pretrained(sys.argv[1]), [0], [])
+"""
+
+
+def test_a_launch_script_that_trains_at_import_is_told_to_guard_it(tiny_text, tmp_path):
+    # The engine process starts by spawn, which imports the launch script again: without the
+    # guard it would start a second training run inside the engine process.
+    script = tmp_path / "train_task.py"
+    script.write_text(UNGUARDED_LAUNCH_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), tiny_text], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode != 0
+    assert ("LaunchError: the launch script starts training when it is imported, and a process vlrft started with "
+            "`spawn` (an asynchronous run's engine process) imports it again: put the script's training code under "
+            '`if __name__ == "__main__":`') in done.stderr
+    assert "engine process of rollout rank 0 exited (exit code 1) while starting" in done.stderr
+
+
 BUSY_RANK = """
 import multiprocessing, os, sys, time
 from vlrft.engines.engine_process import _die_with_parent

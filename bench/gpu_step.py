@@ -133,8 +133,8 @@ def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) 
 # a CPU, aten op names); the rest is "other" (elementwise, norms, rotary embeddings, ...).
 WORK_KINDS = (
     ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather|broadcast"),
-    ("attention", r"flash|fmha|varlen|attention|sdpa|softmax"),
-    ("matmul", r"gemm|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)$"),
+    ("attention", r"flash|fmha|varlen|attention|sdpa"),  # (a softmax kernel is the vocabulary's: other)
+    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("copies", r"memcpy|memset|copy|aten::(cat|index|index_select|gather|scatter)"),
 )

@@ -11,10 +11,13 @@
 #
 # Parts joined by '+' run at the same time, each into its own log only (a line each says how it
 # ended): the tests and the demos, which neither fill the GPU nor are timed. Run benchmarks
-# alone. Every part runs even after one failed; the exit status is 1 if any failed.
-#   DEADLINE=SECONDS  every part is stopped that long after the start ("cut at the deadline");
-#                     parts not begun by then are skipped. Sized to a lease of the machine.
+# alone. Every part runs even after one failed; the exit status is 1 if any failed (2: a
+# mistyped command, 3: an environment that cannot import what the parts need). Ctrl-C or a
+# kill stops the running parts too. Each demo starts from scratch.
+#   DEADLINE=SECONDS  every part is stopped that long after the start ("cut at the deadline";
+#                     a demo writes its checkpoint first); parts not begun by then are skipped.
 #   ARCHIVE=FILE      all logs packed into FILE (.tgz) at the end, however the run ended.
+# A relative LOG_DIR or ARCHIVE is taken from the directory run_all is started in.
 #
 # One call's worth on a lent H100 (about 8 minutes; docs/scaling.md, "Checking a GPU machine"):
 #   DEADLINE=480 LOG_DIR=/tmp/gpu ARCHIVE=$OUT/gpu-logs.tgz bash tests/gpu/run_all.sh \
@@ -24,16 +27,19 @@
 # (`bash tests/gpu/wheelhouse.sh .whl 3.12`), bring `.whl/` along; they are installed into
 # /tmp/site first (WHEELS names another folder).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # each part runs this script again, after the cd
+started_in=$PWD  # a relative LOG_DIR or ARCHIVE is taken from here
+cd "$(dirname "$self")/../.."
 
 if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this way, under `timeout`)
     IFS=: read -r what a b c <<< "$2"
     case $what in
         tests)
             exec python3 -m pytest -m gpu tests/gpu -v -rs ;;
-        demo)  # the full 100-step colour demo, one rank, on a port of its own (demos may run at once)
+        demo)  # the full 100-step colour demo from scratch, one rank, on a port of its own (demos may run at once)
             dtype=${a:-bfloat16} zero=${b:-2} seed=${c:-0}
             name=$dtype-zero$zero-seed$seed
+            rm -rf "runs/gpu-demo-$name"  # (an earlier run's checkpoint would be resumed)
             PET_MASTER_PORT=$(python3 -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])") \
             NPROC=1 bash examples/color_shapes/run.sh "model.compute_dtype=$dtype" "train.zero_stage=$zero" \
                 "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" || exit
@@ -47,16 +53,27 @@ if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this
 fi
 
 one_part='(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:+]+)?|shared(:[0-9]+)?)'
-for part in "$@"; do  # a typo fails now, not after an hour of the parts before it
-    [[ $part =~ ^$one_part(\+$one_part)*$ ]] || {
-        echo "run_all: unknown part '$part' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)" >&2
+seen=" "
+for group in "$@"; do  # a typo fails now, not after an hour of the parts before it
+    [[ $group =~ ^$one_part(\+$one_part)*$ ]] || {
+        echo "run_all: unknown part '$group' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)" >&2
         exit 2; }
+    IFS=+ read -ra parts <<< "$group"
+    for part in "${parts[@]}"; do  # the same part twice would share its log (a demo: its run directory)
+        IFS=: read -r what a b c <<< "$part"
+        [ "$what" = demo ] && part=demo:${a:-bfloat16}:${b:-2}:${c:-0}
+        [[ $seen != *" $part "* ]] || { echo "run_all: part '$part' is named twice" >&2; exit 2; }
+        seen+="$part "
+    done
 done
+[[ -z ${DEADLINE:-} || $DEADLINE =~ ^[0-9]+$ ]] || { echo "run_all: DEADLINE is whole seconds, not '$DEADLINE'" >&2; exit 2; }
 started=$(date +%s)
 log_dir=${LOG_DIR:-runs/gpu}
+[[ $log_dir = /* ]] || [ -z "${LOG_DIR:-}" ] || log_dir=$started_in/$log_dir
 mkdir -p "$log_dir"
 log_dir=$(cd "$log_dir" && pwd)
 if [ -n "${ARCHIVE:-}" ]; then
+    [[ $ARCHIVE = /* ]] || ARCHIVE=$started_in/$ARCHIVE
     trap 'tar czf "$ARCHIVE" -C "$log_dir" . && echo "run_all: logs in $ARCHIVE"' EXIT
 fi
 # The checkout itself is imported from here (bench/ and the launcher run it without an install).
@@ -106,16 +123,27 @@ seconds_left() {  # until the deadline (0: none set, which `timeout` reads as no
 }
 
 verdict() {  # verdict PART STATUS SECONDS LOG: one line on how the part ended, and what it found
-    local how
-    case $2 in
-        0) how=passed ;;
-        124|137) how="cut at the deadline" ;;
-        *) how="FAILED (exit status $2)" ;;
-    esac
-    local found  # pytest's summary, or the demo's accuracy curve (its last evaluation if cut)
+    local how found
+    if [ "$2" = 0 ]; then
+        how=passed
+    elif [[ $2 =~ ^(124|137)$ ]] && [ -n "${DEADLINE:-}" ] && [ "$(seconds_left)" -le 0 ]; then
+        how="cut at the deadline"  # (timeout's status; 137: it needed SIGKILL)
+    else
+        how="FAILED (exit status $2)"
+    fi
+    # pytest's summary, or the demo's accuracy curve (its last evaluation if cut)
     found=$(grep -oE 'held-out accuracy by step: .*$|step +[0-9]+ +held-out accuracy [0-9.]+|=+ [0-9]+ (passed|failed|skipped|errors?).* =+$' "$4" | tail -1)
     echo "run_all: $1 $how after $3 s${found:+: $found}"
 }
+
+declare -A running=()  # pid of each running part's `timeout` -> the part
+stop_parts() {  # Ctrl-C or a kill: the parts run in process groups of their own, so stop them too
+    [ ${#running[@]} = 0 ] || kill -TERM "${!running[@]}" 2>/dev/null  # (timeout passes it to its part)
+    wait
+    exit "$1"
+}
+trap 'stop_parts 130' INT
+trap 'stop_parts 143' TERM
 
 status=0
 for group in "$@"; do
@@ -127,23 +155,23 @@ for group in "$@"; do
         continue
     fi
     begin=$(date +%s)
-    if [ ${#parts[@]} = 1 ]; then  # alone: its output on the terminal too
-        timeout --kill-after=20 "$left" bash "$0" --one "$group" "$log_dir" < /dev/null 2>&1 | tee "$log_dir/${group//:/-}.log"
-        code=${PIPESTATUS[0]}
-        verdict "$group" "$code" $(( $(date +%s) - begin )) "$log_dir/${group//:/-}.log"
-        [ "$code" = 0 ] || status=1
-        continue
-    fi
-    pids=()
     for part in "${parts[@]}"; do
-        timeout --kill-after=20 "$left" bash "$0" --one "$part" "$log_dir" < /dev/null > "$log_dir/${part//:/-}.log" 2>&1 &
-        pids+=($!)
+        # A demo stopped at the deadline saves a checkpoint first: a minute before SIGKILL.
+        timeout --kill-after=60 "$left" bash "$self" --one "$part" "$log_dir" < /dev/null > "$log_dir/${part//:/-}.log" 2>&1 &
+        running[$!]=$part
     done
-    for i in "${!parts[@]}"; do
-        wait "${pids[$i]}"
+    echo_pid=
+    if [ ${#parts[@]} = 1 ]; then  # alone: its output on the terminal too
+        tail -n +1 -f --pid="$!" "$log_dir/${part//:/-}.log" &
+        echo_pid=$!
+    fi
+    while [ ${#running[@]} -gt 0 ]; do
+        wait -n -p ended "${!running[@]}"
         code=$?
-        verdict "${parts[$i]}" "$code" $(( $(date +%s) - begin )) "$log_dir/${parts[$i]//:/-}.log"
+        [ -z "$echo_pid" ] || wait "$echo_pid"  # (its last lines before the verdict)
+        verdict "${running[$ended]}" "$code" $(( $(date +%s) - begin )) "$log_dir/${running[$ended]//:/-}.log"
         [ "$code" = 0 ] || status=1
+        unset "running[$ended]"
     done
 done
 echo "run_all: done in $(( $(date +%s) - started )) s"

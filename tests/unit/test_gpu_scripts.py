@@ -16,9 +16,10 @@ RUN_ALL = Path(__file__).resolve().parents[2] / "tests" / "gpu" / "run_all.sh"
 
 
 def run_all(*parts, tmp_path, **env):
-    env = {**os.environ, "LOG_DIR": str(tmp_path / "logs"), "WHEELS": str(tmp_path / "no-wheels"),
-           "ARCHIVE": str(tmp_path / "logs.tgz"), **env}
-    return subprocess.run(["bash", str(RUN_ALL), *parts], capture_output=True, text=True, env=env, timeout=600)
+    # Started elsewhere than the checkout, with relative paths: they are the caller's.
+    env = {**os.environ, "LOG_DIR": "logs", "WHEELS": str(tmp_path / "no-wheels"), "ARCHIVE": "logs.tgz", **env}
+    return subprocess.run(["bash", os.path.relpath(RUN_ALL, tmp_path), *parts], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
 
 
 def archived(tmp_path) -> set[str]:
@@ -26,11 +27,16 @@ def archived(tmp_path) -> set[str]:
         return {Path(name).name for name in archive.getnames() if name.endswith(".log")}
 
 
-def test_a_mistyped_part_stops_before_anything_runs(tmp_path):
-    done = run_all("tests", "demo:fp16:2", tmp_path=tmp_path)
+@pytest.mark.parametrize("parts, env, message", [
+    (["tests", "demo:fp16:2"], {}, "run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], "
+                                   "bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)"),
+    (["demo+bench", "demo:bfloat16:2:0"], {}, "run_all: part 'demo:bfloat16:2:0' is named twice"),
+    (["tests"], {"DEADLINE": "8m"}, "run_all: DEADLINE is whole seconds, not '8m'"),
+])
+def test_a_mistyped_command_stops_before_anything_runs(parts, env, message, tmp_path):
+    done = run_all(*parts, tmp_path=tmp_path, **env)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], "
-                                   "bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)")
+    assert done.stderr.strip() == message
     assert not (tmp_path / "logs").exists()
 
 

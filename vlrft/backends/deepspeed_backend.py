@@ -6,6 +6,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -67,14 +68,23 @@ _skip_deepspeed_shm_allreduce()
 CPU_ADAM_EXTENSION = "cpu_adam"
 
 
-def extension_build_locks(name: str) -> list[Path]:
-    """torch's build locks of extension `name` present now, under TORCH_EXTENSIONS_DIR or
-    torch's default root (one folder per Python version and accelerator)."""
+def extension_build_lock(name: str) -> Path:
+    """Where torch's build lock of extension `name` lies for this process: under
+    TORCH_EXTENSIONS_DIR, else in torch's default root, in the folder of this Python version
+    and accelerator (as torch.utils.cpp_extension names it)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    candidates = [Path(root) / name / "lock"] if root else Path(get_default_build_root()).glob(f"*/{name}/lock")
-    return [lock for lock in candidates if lock.exists()]
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / name / "lock"
 
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory name inside a vlrft checkpoint
@@ -204,7 +214,8 @@ class DeepSpeedBackend:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
             optimizer = None
             scheduler = schedule
-            for lock in extension_build_locks(CPU_ADAM_EXTENSION):
+            lock = extension_build_lock(CPU_ADAM_EXTENSION)
+            if lock.exists():
                 print(f"vlrft: DeepSpeed's CPU Adam (train.offload) waits for {lock} to go: another process is "
                       "building it, or a build was interrupted (then delete the file)", flush=True)
         group = role_group()  # async training: the trainer ranks are DeepSpeed's data-parallel world

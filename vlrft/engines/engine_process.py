@@ -50,7 +50,8 @@ def child_environment(env: dict[str, str], rank: int, world: int, address: str, 
     rank's own device (LOCAL_RANK kept)."""
     child = {k: v for k, v in env.items() if not k.startswith(JOB_ONLY_PREFIXES)}
     child.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=address, MASTER_PORT=str(port),
-                 TORCHELASTIC_USE_AGENT_STORE="True", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                 TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",  # (torch releases that
+                 VLLM_ENABLE_V1_MULTIPROCESSING="0")  # prefix an agent store's keys by restart read the count)
     child.setdefault("LOCAL_RANK", "0")  # (a rank started without torchrun: a world of one)
     return child
 

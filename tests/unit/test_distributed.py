@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vlrft
+from tests.process_env import fresh_process_env
 from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.config_checks import check_world_size
 from vlrft.distributed import (
@@ -95,7 +96,7 @@ def test_plain_srun_with_several_tasks_fails_with_one_line(tmp_path, tiny_text, 
         f"model: {{path: {tiny_text}}}\ndata: {{train_path: {addition_data / 'train.jsonl'}}}\n"
         f"output: {{dir: {tmp_path / 'run'}}}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = fresh_process_env()
     env["SLURM_NTASKS"] = "2"
     done = subprocess.run(
         [sys.executable, "-m", "vlrft.cli", "train", str(tmp_path / "cfg.yaml")], capture_output=True, text=True, env=env,
@@ -122,7 +123,7 @@ def test_a_finished_run_destroys_its_process_group(tmp_path, tiny_text, addition
         f"output: {{dir: {tmp_path / 'run'}}}\nrollout: {{rollout_prompts: 2, n_samples_per_prompt: 2, max_new_tokens: 4}}\n"
         "train: {total_steps: 1}\ntrajectory: {save_every: 0}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = fresh_process_env()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "initialized after the run: False" in done.stdout
@@ -142,7 +143,7 @@ def test_exit_process_runs_atexit_handlers_flushes_and_keeps_the_code(tmp_path):
         "exit_process(3)\n"
         "print('not reached')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = fresh_process_env()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout == "buffered, no newline"
@@ -211,8 +212,7 @@ print(seen, dist.is_initialized())
 def test_callbacks_before_shutdown_run_while_the_group_exists_last_registered_first():
     # In a process of its own: this session's group is held by DeepSpeed in other tests.
     # (Without the launch variables a world of one this session may have set: a store of its own.)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                           "MASTER_ADDR", "MASTER_PORT")}
+    env = fresh_process_env()
     done = subprocess.run([sys.executable, "-c", SHUTDOWN_ORDER], capture_output=True, text=True, timeout=120,
                           env=env | {"PYTHONPATH": os.getcwd()})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -18,6 +18,7 @@ from vlrft.engines import SamplingParams
 from vlrft.engines import engine_process
 from vlrft.engines.engine_process import EngineProcess, EngineProcessError, buckets, child_environment
 from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
+from tests.process_env import fresh_process_env
 from tests.unit.test_engine import make_engine
 
 GREEDY = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, greedy=True)
@@ -227,7 +228,7 @@ def test_a_launch_script_that_trains_at_import_is_told_to_guard_it(tiny_text, tm
     script = tmp_path / "train_task.py"
     script.write_text(UNGUARDED_LAUNCH_SCRIPT)
     done = subprocess.run([sys.executable, str(script), tiny_text], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          env=fresh_process_env(PYTHONPATH=os.getcwd()))
     assert done.returncode != 0
     assert ("LaunchError: the launch script starts training when it is imported, and a process vlrft started with "
             "`spawn` (an asynchronous run's engine process) imports it again: put the script's training code under "

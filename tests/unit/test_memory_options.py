@@ -4,7 +4,6 @@ what the fp32 baseline computes (exactly, or within the named rounding)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.process_env import fresh_process_env
 from tests.unit.test_config_wiring import RECIPE
 from vlrft.backends.deepspeed_backend import deepspeed_config, extension_build_lock
 from vlrft.config import ConfigError, load_config
@@ -166,7 +166,7 @@ def test_a_cpu_adam_build_lock_left_behind_is_named_while_the_run_waits(tmp_path
         "init_distributed()\n"
         "DeepSpeedBackend(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0, grad_clip=1.0, zero_stage=2, offload='optimizer')\n"
     )
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env = fresh_process_env(TORCH_EXTENSIONS_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     lines = queue.Queue()  # read aside: without the message the probe waits on the lock for ever
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()

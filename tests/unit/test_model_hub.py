@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_env import fresh_process_env
 from vlrft.config import ConfigError, load_config
 from vlrft.models.hub import is_model_id, local_model_dir
 
@@ -56,7 +57,7 @@ def test_vlrft_train_names_a_missing_model_directory_in_one_line(tmp_path, addit
         f"model: {{path: {tmp_path / 'gone'}}}\ndata: {{train_path: {addition_data / 'train.jsonl'}}}\n"
         f"output: {{dir: {tmp_path / 'run'}}}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = fresh_process_env()
     proc = subprocess.run([sys.executable, "-m", "vlrft.cli", "train", str(tmp_path / "cfg.yaml")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2

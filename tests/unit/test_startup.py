@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_env import fresh_process_env
+
 LAUNCH = Path(__file__).resolve().parents[2] / "examples" / "launch.sh"
 
 
@@ -34,7 +36,7 @@ def test_deepspeed_compiles_no_shared_memory_allreduce_for_cpu_ranks(tmp_path):
         "DeepSpeedBackend(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0, grad_clip=1.0, zero_stage=2)\n"
         "print(type(comm.cdb).__name__, comm.cdb.shm_comm_op)\n"
     )
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}  # where a build would land
+    env = fresh_process_env(TORCH_EXTENSIONS_DIR=str(tmp_path))  # (where a build would land)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["TorchBackend", "None"]

@@ -116,17 +116,24 @@ def one_update(backend: DeepSpeedBackend, batches, device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) -> float:
-    """Seconds of one update (best of `repeats`, after one warm-up)."""
+def best_seconds(call, device: str, repeats: int = 3) -> float:
+    """The shortest of `repeats` timed calls, each finished on the device."""
     best = float("inf")
-    for repeat in range(repeats + 1):
+    for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        one_update(backend, batches, device)
-        if repeat:
-            best = min(best, time.perf_counter() - start)
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
     return best
+
+
+def time_updates(backend: DeepSpeedBackend, batches, repeats: int, device: str) -> float:
+    """Seconds of one update (best of `repeats`, after one warm-up)."""
+    one_update(backend, batches, device)
+    return best_seconds(lambda: one_update(backend, batches, device), device, repeats)
 
 
 # Kinds of work an update's time goes to, matched in this order against CUDA kernel names (on
@@ -227,22 +234,11 @@ def bench_transfer(args) -> str:
     if args.device != "cuda":
         return "host-to-device copies: measured on a GPU only"
     pixels = torch.randn(args.samples * PATCHES_PER_IMAGE, 1176)
-
-    def seconds(copy) -> float:
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            copy()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    pageable = seconds(lambda: pixels.to("cuda"))
+    pageable = best_seconds(lambda: pixels.to("cuda"), "cuda")
     start = time.perf_counter()
     pinned = pixels.pin_memory()
     pinning = time.perf_counter() - start
-    from_pinned = seconds(lambda: pinned.to("cuda", non_blocking=True))
+    from_pinned = best_seconds(lambda: pinned.to("cuda", non_blocking=True), "cuda")
     return (f"pixel inputs of {args.samples} images, {pixels.nbytes / 2**30:.2f} GiB per update: pageable "
             f"{1e3 * pageable:.0f} ms, pinned {1e3 * from_pinned:.0f} ms (pinning them: {1e3 * pinning:.0f} ms)")
 
@@ -254,24 +250,9 @@ def bench_optimizer(shape, args) -> str:
     step reads weight, gradient and both moments and writes weight and moments, 28 bytes per
     parameter, at the bandwidth a device copy reaches here."""
     count = sum(p.numel() for p in build_model(shape, "sdpa", args.compute_dtype, "meta").parameters())
-
-    def synchronize():
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
-    def best_of(fn, repeats: int = 3) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            synchronize()
-            start = time.perf_counter()
-            fn()
-            synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
-
     source = torch.empty(2**28, device=args.device)  # 1 GiB
     target = torch.empty_like(source)
-    bandwidth = 2 * source.nbytes / best_of(lambda: target.copy_(source))  # bytes read and written
+    bandwidth = 2 * source.nbytes / best_seconds(lambda: target.copy_(source), args.device)  # bytes read and written
     del source, target
     seconds = {}
     for form in ("fused", "foreach"):
@@ -279,7 +260,7 @@ def bench_optimizer(shape, args) -> str:
         weight.grad = torch.randn(count, device=args.device)
         optimizer = torch.optim.AdamW([weight], lr=1e-6, **{form: True})
         optimizer.step()  # creates the moments
-        seconds[form] = best_of(optimizer.step)
+        seconds[form] = best_seconds(optimizer.step, args.device)
         del weight, optimizer
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -92,19 +92,30 @@ def staleness_zero_is_the_synchronous_run(rollout: dict, train: dict, tiny_text,
 
 
 # (3, 2, 0): two rollout ranks decide DAPO's resampling together (an all-reduce of their own).
-@pytest.mark.parametrize("ranks, rollout_ranks, zero_stage", [(3, 1, 2), (3, 2, 0), (3, 1, 3)])
-def test_stale_batches_train_on_several_ranks_of_each_role(ranks, rollout_ranks, zero_stage, tiny_text, addition_data, tmp_path):
-    rollout = {"ranks": rollout_ranks, "dynamic_sampling": rollout_ranks == 2}
+# (4, 2, 2, S = 2, evaluating every version): each rollout rank takes versions while it waits for
+# its trainer's receipt, and evaluates those due there (collectives of the rollout ranks): the
+# two must take the same versions at the same point of their loops, whenever their receipts come.
+@pytest.mark.parametrize("ranks, rollout_ranks, zero_stage, max_staleness", [(3, 1, 2, 1), (3, 2, 0, 1), (3, 1, 3, 1), (4, 2, 2, 2)])
+def test_stale_batches_train_on_several_ranks_of_each_role(ranks, rollout_ranks, zero_stage, max_staleness, tiny_text,
+                                                          addition_data, tmp_path):
+    rollout = {"ranks": rollout_ranks, "dynamic_sampling": ranks == 3 and rollout_ranks == 2}
+    every = 1 if max_staleness == 2 else 3
     metrics, out = run(tmp_path, "async", ranks, tiny_text, addition_data, rollout=rollout, mode="async",
-                       max_staleness=1, zero_stage=zero_stage, total_steps=4)
-    # Batch 1 is generated with the initial weights and trains at them; from batch 2 on the
-    # rollout ranks run one update ahead of the weights they generate with.
-    assert [metrics[step]["async/staleness_max"] for step in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+                       max_staleness=max_staleness, zero_stage=zero_stage, total_steps=4,
+                       sections={"eval": {"every_steps": every}})
+    # Batch 1 is generated with the initial weights. A rollout rank generates batch k + 1 before
+    # it waits for its trainer to receive batch k; while it waits it takes the versions up to
+    # k - 1 (broadcast before that receipt) and no newer one: with S = 1 batch k + 1 needs
+    # version k - 1 anyway, with S = 2 it is generated with version k - 2.
+    for key in ("async/staleness_max", "async/staleness_mean"):
+        assert [metrics[step][key] for step in (1, 2, 3, 4)] == [0.0, 1.0, max_staleness, max_staleness], key
     # Every rollout rank's batch arrives; with dynamic sampling, the rounds it took to keep its groups.
     assert all(metrics[step]["rollout/sequences"] >= 16 for step in (1, 2, 3, 4))
     if rollout["dynamic_sampling"]:
         assert all(metrics[step]["rollout/sampling_rounds"] >= 1 for step in (1, 2, 3, 4))
-    assert metrics[4]["train/optimizer_steps"] == 1.0 and "eval/accuracy" in metrics[4]
+    evaluated = [step for step in range(5) if "eval/accuracy" in metrics.get(step, {})]
+    assert evaluated == ([0, 1, 2, 3, 4] if every == 1 else [0, 3, 4])
+    assert metrics[4]["train/optimizer_steps"] == 1.0
     assert (tmp_path / "async" / "final" / "config.json").is_file()
 
 

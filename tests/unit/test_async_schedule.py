@@ -2,7 +2,7 @@
 
 import pytest
 
-from vlrft.trainer.async_roles import needed_version, role_ranks, sources_of, staleness, trainer_of
+from vlrft.trainer.async_roles import needed_version, role_ranks, sources_of, staleness, takes_while_waiting, trainer_of
 
 
 @pytest.mark.parametrize("step, max_staleness, version", [
@@ -15,6 +15,13 @@ def test_a_batch_waits_for_the_weights_its_staleness_bound_needs(step, max_stale
     # Generated with exactly that version, batch `step` trains max_staleness updates later
     # (fewer at the start, where version 0 is the oldest there is).
     assert staleness(step, version) == min(max_staleness, step - 1)
+
+
+def test_a_waiting_rollout_rank_takes_only_the_versions_broadcast_before_its_receipt():
+    # Waiting for the receipt of batch 5: the trainers broadcast versions 1..4 before they
+    # receive it (each rollout rank takes them there), version 5 only after.
+    assert [takes_while_waiting(held, sent_step=5) for held in (0, 2, 3, 4, 5)] == [True, True, True, False, False]
+    assert not takes_while_waiting(0, sent_step=1)  # batch 1 follows no update
 
 
 def test_trainers_come_first_and_each_rollout_rank_feeds_one_trainer():

@@ -82,6 +82,17 @@ def staleness(step: int, version: int) -> int:
     return step - 1 - version
 
 
+def takes_while_waiting(version: int, sent_step: int) -> bool:
+    """Whether a rollout rank holding weights `version`, waiting for its trainer to receive
+    batch `sent_step`, takes the next version there. The trainers broadcast each version up to
+    sent_step - 1 before they receive that batch, so every rollout rank takes those there; version
+    sent_step comes only after the receipt. A rank that read the receipt's absence just before it
+    came, and the announcement of sent_step just after, would take (and maybe evaluate, a
+    collective of the rollout ranks) a version its peers take at another point of their loop:
+    with several rollout ranks, a deadlock."""
+    return version < sent_step - 1
+
+
 def evaluation_due(version: int, every: int, total: int, sources: list) -> bool:
     """Whether the rollout ranks evaluate weights `version` (step 0, every `every`, the last)."""
     return bool(every and sources) and (version % every == 0 or version == total)
@@ -208,14 +219,14 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         if step:
             raise TrainingStopped(step, checkpoint_dir(trainer.out_dir, step), trainer.stop_signal or signal.SIGTERM)
 
-    sent = 0  # batches sent to the trainer
+    sent, sent_step = 0, trainer.global_step  # batches sent to the trainer; the step of the last
 
     def wait_until_received(pending) -> None:
         """Until the trainer has received every batch sent (it acknowledges each on the store),
         take the weights it sends meanwhile: with S >= 2 it sends a version before it receives
         the batch, and a rollout rank that waited only for the receipt would deadlock it."""
         while board.received(global_rank()) < sent:
-            if board.newest() > version:
+            if board.newest() > version and takes_while_waiting(version, sent_step):
                 next_version()
                 continue
             stop_if_the_trainers_stopped()
@@ -272,7 +283,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         # travels with it: the trainers stop after that step, saving a checkpoint.
         pending = isend_object_to(destination, {"step": step, "version": started_at, "kept": kept, "generated": generated,
                                                 "metrics": metrics, "resume": resume, "signal": trainer.stop_signal})
-        sent += 1
+        sent, sent_step = sent + 1, step
     while version < total:  # the remaining updates (and their evaluations)
         next_version()
     wait_until_received(pending)

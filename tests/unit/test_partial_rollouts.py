@@ -54,3 +54,29 @@ def test_tokens_before_and_after_a_mid_response_update_carry_their_own_weights_l
             assert (recorded[split:] - after[split:]).abs().max() <= 1e-5
             # The two weights really differ on these tokens: the check above could not pass by accident.
             assert (before[split:] - after[split:]).abs().max() > 1e-3
+
+
+def test_a_version_without_tensors_keeps_the_cache(tiny_text, addition_data):
+    """A frozen actor's version changes no weight: the responses in flight go on from their
+    cache (one prefill), and sample exactly what they would without the version."""
+    engine, encoder = make_engine(tiny_text, banned=False)
+    prompts = [encoder.encode(r, i) for i, r in enumerate(load_rows(addition_data / "test.jsonl")[:2])]
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.8)
+    prefills = []
+    prefill = engine._prefill
+    engine._prefill = lambda batch: prefills.append(len(batch)) or prefill(batch)  # a spy: counts, then prefills
+    torch.manual_seed(0)
+    plain = engine.generate(prompts, params)
+    assert len(prefills) == 1
+
+    def empty_version():
+        engine.update_weights(iter([]))
+        return True
+
+    engine.new_weights, prefills[:] = empty_version, []
+    torch.manual_seed(0)
+    taken = engine.generate(prompts, params)
+    assert len(prefills) == 1 and engine.loads == 0
+    assert [r.response_ids for r in taken] == [r.response_ids for r in plain]
+    assert [r.logprobs for r in taken] == [r.logprobs for r in plain]
+    assert max(len(r.response_ids) for r in plain) > 2  # decoding steps ran, and polled

@@ -58,6 +58,7 @@ class HFEngine:
         # Partial rollouts: called after each decoding step; True when it loaded new weights
         # (by `update_weights`), and the responses in flight go on under them. None: never.
         self.new_weights: Callable[[], bool] | None = None
+        self.loads = 0  # update_weights calls that changed a tensor (a frozen actor's version changes none)
         self.cache_name = kv_cache_name(self.model)
 
     @torch.no_grad()
@@ -143,7 +144,8 @@ class HFEngine:
                     keep = going.nonzero().squeeze(1)
                     cache.batch_select_indices(keep)
                     running, token, attention_mask, next_position = running[keep], token[keep], attention_mask[keep], next_position[..., keep, :]
-                if self.new_weights is not None and self.new_weights():
+                loads = self.loads
+                if self.new_weights is not None and self.new_weights() and self.loads != loads:
                     # Partial rollouts: the weights changed mid-response. Each running response
                     # goes on under the new weights from a fresh prefill of its prompt and its
                     # tokens so far (the cache held the old weights' keys and values).
@@ -174,10 +176,13 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
+        changed = False
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"weight sync: the engine model has no parameter '{name}'")
             params[name].copy_(tensor)
+            changed = True
+        self.loads += changed
 
     # The HF engine holds a CPU-sized copy and has nothing worth releasing during training.
     def sleep(self) -> None:

@@ -85,11 +85,12 @@ def staleness(step: int, version: int) -> int:
 def takes_while_waiting(version: int, sent_step: int) -> bool:
     """Whether a rollout rank holding weights `version`, waiting for its trainer to receive
     batch `sent_step`, takes the next version there. The trainers broadcast each version up to
-    sent_step - 1 before they receive that batch, so every rollout rank takes those there; version
-    sent_step comes only after the receipt. A rank that read the receipt's absence just before it
-    came, and the announcement of sent_step just after, would take (and maybe evaluate, a
-    collective of the rollout ranks) a version its peers take at another point of their loop:
-    with several rollout ranks, a deadlock."""
+    sent_step - 1 before they receive that batch, so every rollout rank takes those there (and
+    waits for them even if the receipt came first); version sent_step comes only after the
+    receipt. Otherwise a rank that read the receipt's absence just before it came, and the
+    announcement of sent_step just after, would take (and maybe evaluate, a collective of the
+    rollout ranks) a version its peers take at another point of their loop: with several rollout
+    ranks, a deadlock."""
     return version < sent_step - 1
 
 
@@ -115,12 +116,21 @@ class RolloutRanks:
     ranks (trainer rank 0 sends; the other trainer ranks take part in ZeRO-3's gathers and
     discard), followed, for a version the rollout ranks evaluate, by what they evaluate instead
     of it (`evaluated(version)`: the policy EMA, or None). Generation happens elsewhere, so
-    sleep and wake have nothing to do."""
+    sleep and wake have nothing to do.
 
-    def __init__(self, weights_group, source: int, sends: bool, evaluated: Callable[[int], Iterable | None]):
+    Trainer rank 0 announces a version and waits, on the store, until every rollout rank is
+    ready to take it: with S >= 1 that is after they generate another batch. If `stopping()`
+    turns true meanwhile (a signal: the trainers stop after this step), it sends nothing and
+    `skipped` is set; the checkpoint the trainers save next holds these weights."""
+
+    def __init__(self, weights_group, source: int, sends: bool, evaluated: Callable[[int], Iterable | None],
+                 rollout_ranks: int):
         self.weights_group, self.source, self.sends, self.evaluated = weights_group, source, sends, evaluated
+        self.rollout_ranks = rollout_ranks
         self.board = VersionBoard() if sends else None
         self.version = 0
+        self.stopping: Callable[[], bool] = lambda: False  # set by run_trainer for the steps a signal may end
+        self.skipped = False
 
     def resume_at(self, step: int) -> None:
         """A resumed run: the next update_weights sends the checkpoint's policy as version `step`."""
@@ -133,6 +143,14 @@ class RolloutRanks:
         if self.sends:
             announced = self.board.announce()
             assert announced == self.version, (announced, self.version)
+            while self.board.ready_count(self.version) < self.rollout_ranks:
+                if self.stopping():
+                    self.skipped = True
+                    for _ in named_tensors:  # (ZeRO-3's gathers, and the EMAs that move with them)
+                        pass
+                    return
+                time.sleep(POLL_S)
+            self.board.send(self.version)
             broadcast_weights(self.weights_group, self.source, self.version, named_tensors)
             ema = self.evaluated(self.version)  # (complete now: the EMA moved with each tensor sent)
             if ema is not None:
@@ -178,8 +196,18 @@ def resume_rollout_rank(trainer, path) -> None:
     mine = load_state(path / f"rank{global_rank()}.pt")
     trainer.global_step = step
     trainer.sampler.consumed = mine["prompts_consumed"]
-    trainer.weights_version = receive_weights(trainer.weights_group, WEIGHTS_SOURCE, step, trainer.engine)
+    trainer.weights_version = take_version(trainer, VersionBoard(), step, lambda: None)
     set_rng_state(mine["rng"])
+
+
+def take_version(trainer, board: VersionBoard, version: int, stop_if_the_trainers_stopped: Callable[[], None]) -> int:
+    """A rollout rank takes weights `version` (announced already): it says it is ready, waits
+    until trainer rank 0 begins the broadcast (or the trainers stop), and loads it into its engine."""
+    board.ready(version)
+    while board.sending() < version:
+        stop_if_the_trainers_stopped()
+        time.sleep(POLL_S)
+    return receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version, trainer.engine)
 
 
 def run_role(trainer) -> list[tuple[int, float]]:
@@ -225,8 +253,8 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         """Until the trainer has received every batch sent (it acknowledges each on the store),
         take the weights it sends meanwhile: with S >= 2 it sends a version before it receives
         the batch, and a rollout rank that waited only for the receipt would deadlock it."""
-        while board.received(global_rank()) < sent:
-            if board.newest() > version and takes_while_waiting(version, sent_step):
+        while takes_while_waiting(version, sent_step) or board.received(global_rank()) < sent:
+            if takes_while_waiting(version, sent_step) and board.newest() > version:
                 next_version()
                 continue
             stop_if_the_trainers_stopped()
@@ -240,7 +268,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         while board.newest() <= version:  # trainer rank 0 announces each version before it sends it
             stop_if_the_trainers_stopped()
             time.sleep(POLL_S)
-        version = receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version + 1, trainer.engine)
+        version = take_version(trainer, board, version + 1, stop_if_the_trainers_stopped)
         evaluate_if_due()
 
     if cfg.train.partial_rollouts:
@@ -361,6 +389,11 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         metrics["async/staleness_mean"] = age_sum / max(batches, 1.0)
         metrics["async/staleness_max"] = float(all_reduce_max_int(max(ages, default=0)))
         metrics["async/trainer_wait_seconds"] = waited
+        # A signal that has come by the time trainer rank 0 waits for the rollout ranks to take
+        # this step's weights stops the run after this step without sending them (the
+        # checkpoint holds them). Not after the last step: the rollout ranks wait for it.
+        signalled = [m["signal"] for m in messages if m["signal"] is not None]
+        trainer.engine.stopping = lambda: step < cfg.train.total_steps and (trainer.stop_signal is not None or bool(signalled))
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
         log_evaluations(step, wait=False)
@@ -369,6 +402,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         signals = [trainer.stop_signal] + [m["signal"] for m in messages]
         signum = next((s for s in signals if s is not None), 0)
         stop = all_reduce_max_int(signum) if step < cfg.train.total_steps else 0
+        assert stop or not trainer.engine.skipped, "weights withheld without a stop"
         if stop or (every and step % every == 0):
             # Every version before this step was evaluated already (the rollout ranks evaluate a
             # version as they take it, before they take the next): the checkpoint holds them all.

@@ -96,7 +96,10 @@ def load_checkpoint(trainer, path: Path) -> None:
         trainer.policy_ema = state["policy_ema"]
     if state["reference"] is not None:
         trainer.reference.load_state_dict(state["reference"])
-    trainer.eval_history = [tuple(entry) for entry in state["eval_history"]]
+    # An async run's rollout ranks evaluate the checkpoint's step again (discard_after dropped
+    # its line): trainer rank 0 may have logged that evaluation already when it saved.
+    evaluated_again = trainer.global_step if trainer.cfg.train.mode == "async" else trainer.global_step + 1
+    trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if entry[0] < evaluated_again]
     trainer.zero_reward_watch.streak = state["zero_reward_streak"]
     trainer.sampler.consumed = mine["prompts_consumed"]
     if trainer.ptx is not None:

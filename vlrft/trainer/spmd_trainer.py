@@ -156,7 +156,8 @@ class SPMDTrainer:
         streams = rng_state()
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer)) if generates else None
         if self.role == "trainer":  # its "engine" is the rollout ranks, reached by broadcast
-            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights)
+            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights,
+                                       cfg.rollout.ranks)
         set_rng_state(streams)
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None

@@ -201,12 +201,18 @@ def resume_rollout_rank(trainer, path) -> None:
 
 
 def take_version(trainer, board: VersionBoard, version: int, stop_if_the_trainers_stopped: Callable[[], None]) -> int:
-    """A rollout rank takes weights `version` (announced already): it says it is ready, waits
-    until trainer rank 0 begins the broadcast (or the trainers stop), and loads it into its engine."""
+    """A rollout rank takes weights `version`: it waits until trainer rank 0 has announced it,
+    says it is ready, waits until trainer rank 0 begins the broadcast, and loads it into its
+    engine. Each wait is on the store, where it also looks for the trainers' stop."""
+
+    def wait_until(done: Callable[[], bool]) -> None:
+        while not done():
+            stop_if_the_trainers_stopped()
+            time.sleep(POLL_S)
+
+    wait_until(lambda: board.newest() >= version)
     board.ready(version)
-    while board.sending() < version:
-        stop_if_the_trainers_stopped()
-        time.sleep(POLL_S)
+    wait_until(lambda: board.sending() >= version)
     return receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version, trainer.engine)
 
 
@@ -253,8 +259,8 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         """Until the trainer has received every batch sent (it acknowledges each on the store),
         take the weights it sends meanwhile: with S >= 2 it sends a version before it receives
         the batch, and a rollout rank that waited only for the receipt would deadlock it."""
-        while takes_while_waiting(version, sent_step) or board.received(global_rank()) < sent:
-            if takes_while_waiting(version, sent_step) and board.newest() > version:
+        while (takes := takes_while_waiting(version, sent_step)) or board.received(global_rank()) < sent:
+            if takes and board.newest() > version:
                 next_version()
                 continue
             stop_if_the_trainers_stopped()
@@ -265,9 +271,6 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
 
     def next_version() -> None:
         nonlocal version
-        while board.newest() <= version:  # trainer rank 0 announces each version before it sends it
-            stop_if_the_trainers_stopped()
-            time.sleep(POLL_S)
         version = take_version(trainer, board, version + 1, stop_if_the_trainers_stopped)
         evaluate_if_due()
 
@@ -392,15 +395,14 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         # A signal that has come by the time trainer rank 0 waits for the rollout ranks to take
         # this step's weights stops the run after this step without sending them (the
         # checkpoint holds them). Not after the last step: the rollout ranks wait for it.
-        signalled = [m["signal"] for m in messages if m["signal"] is not None]
-        trainer.engine.stopping = lambda: step < cfg.train.total_steps and (trainer.stop_signal is not None or bool(signalled))
+        sent_signal = next((m["signal"] for m in messages if m["signal"] is not None), None)  # (a rollout rank's)
+        trainer.engine.stopping = lambda: step < cfg.train.total_steps and (trainer.stop_signal or sent_signal) is not None
         metrics = trainer.learn(kept, generated, metrics, start)
         trainer.logger.log(step, metrics)
         log_evaluations(step, wait=False)
         # A signal on any rank (a rollout rank's came with its batch) stops the run after this
         # step; after the last one the run simply ends.
-        signals = [trainer.stop_signal] + [m["signal"] for m in messages]
-        signum = next((s for s in signals if s is not None), 0)
+        signum = trainer.stop_signal or sent_signal or 0
         stop = all_reduce_max_int(signum) if step < cfg.train.total_steps else 0
         assert stop or not trainer.engine.skipped, "weights withheld without a stop"
         if stop or (every and step % every == 0):

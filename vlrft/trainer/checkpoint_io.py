@@ -98,8 +98,8 @@ def load_checkpoint(trainer, path: Path) -> None:
         trainer.reference.load_state_dict(state["reference"])
     # An async run's rollout ranks evaluate the checkpoint's step again (discard_after dropped
     # its line): trainer rank 0 may have logged that evaluation already when it saved.
-    evaluated_again = trainer.global_step if trainer.cfg.train.mode == "async" else trainer.global_step + 1
-    trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if entry[0] < evaluated_again]
+    again = trainer.cfg.train.mode == "async"
+    trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if not (again and entry[0] >= trainer.global_step)]
     trainer.zero_reward_watch.streak = state["zero_reward_streak"]
     trainer.sampler.consumed = mine["prompts_consumed"]
     if trainer.ptx is not None:

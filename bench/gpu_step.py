@@ -5,11 +5,12 @@
     python bench/gpu_step.py --shapes tiny --device cpu --attention sdpa --compute-dtype float32   # smoke run
 
 Each shape is a Qwen2.5-VL model built from its published text dimensions with random weights
-(vision tower included in memory; the batch is text-only, so the tower does no work). The
-update is vlrft's own: DeepSpeed backend (ZeRO-2, or ZeRO-3 in bf16 mode), packed micro-batches
-of `--budget` tokens through `policy_forward` (varlen attention, chunked LM head on response
-tokens), a token-mean policy-gradient loss, backward and optimizer step. Rollouts have a
-256-token prompt and response lengths skewed between 64 and 1024 tokens.
+(vision tower included in memory; the batch is text-only, so the tower does no work: a run
+over text-only data never calls it). The update is vlrft's own: DeepSpeed backend (ZeRO-2, or
+ZeRO-3 in bf16 mode), packed micro-batches of `--budget` tokens through `policy_forward`
+(varlen attention, chunked LM head on response tokens), a token-mean policy-gradient loss,
+backward and optimizer step. Rollouts have a 256-token prompt and response lengths skewed
+between 64 and 1024 tokens.
 
 Memory: activations without checkpointing are ~96 KB per token and decoder layer at the 1.5B
 shape (bf16, saved-tensor bytes counted on CPU), so the default 8192-token micro-batch holds
@@ -20,7 +21,9 @@ of its own; one that runs out of memory prints a "failed" line and the others go
 
 Printed per setting: update tokens/s, MFU and peak GPU memory, and a profile of one more
 update: how busy the GPU was, the shares of matmuls, attention, copies, communication, the
-optimizer and the rest, and the costliest kernels (where the time goes when MFU is low).
+optimizer and the rest, and the costliest kernels (where the time goes when MFU is low); and
+the host's side: kernels launched and the time it waited for the GPU (a seldom busy GPU and a
+host that seldom waits: the update is bound by launching kernels).
 MFU counts model FLOPs (a checkpointed layer's recomputation is not counted): 6 x (decoder
 matmul parameters) per token, plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per
 sequence of length s (QK^T and AV, forward and backward), plus the LM head 6 x hidden x vocab
@@ -47,6 +50,7 @@ from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward
 from vlrft.models.loader import enable_gradient_checkpointing
+from vlrft.models.vision_calls import declare_modalities
 from vlrft.types import Prompt, Rollout
 
 # Qwen2.5 text dimensions: hidden, layers, attention heads, kv heads, MLP width.
@@ -157,6 +161,27 @@ def work_shares(times: dict[str, float]) -> dict[str, float]:
     return shares
 
 
+# CUDA runtime calls the host makes during an update: kernel launches, and the calls in which it
+# waits for the GPU (a synchronize; a copy, which waits when it reads to or from pageable memory:
+# .item(), .tolist(), a .to(device) of a CPU tensor).
+LAUNCH_CALLS = r"LaunchKernel|LaunchCooperativeKernel|GraphLaunch"
+WAIT_CALLS = {"synchronize": r"Synchronize", "copies": r"^cu(da)?Memcpy"}
+
+
+def host_side(calls: dict[str, tuple[int, float]], wall: float, micro_batches: int) -> str:
+    """What the host did during an update of `wall` seconds, from the CUDA runtime calls
+    (name -> (count, microseconds in the call)): kernels launched, per micro-batch, and the
+    seconds it waited for the GPU. A GPU that is seldom busy while the host rarely waits means
+    the host is the bottleneck: launching small kernels one Python op at a time."""
+    launches = sum(count for name, (count, _) in calls.items() if re.search(LAUNCH_CALLS, name))
+    waits = {kind: sum(spent for name, (_, spent) in calls.items() if re.search(pattern, name)) / 1e6
+             for kind, pattern in WAIT_CALLS.items()}
+    waited = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in waits.items())
+    return (f"host: {launches} kernel launches ({launches // max(1, micro_batches)} per micro-batch, "
+            f"{1e6 * wall / max(1, launches):.0f} us of wall time each); waited for the GPU {sum(waits.values()):.2f} s "
+            f"of {wall:.2f} s ({waited})")
+
+
 def profile_update(backend: DeepSpeedBackend, batches, device: str) -> str:
     """Where one update's time goes: how busy the GPU (on a CPU: the aten ops) was over its wall
     time, each kind of work's share of that, and the three costliest kernels."""
@@ -176,12 +201,18 @@ def profile_update(backend: DeepSpeedBackend, batches, device: str) -> str:
     total = sum(times.values()) or 1.0
     shares = ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in work_shares(times).items())
     top = ", ".join(f"{name[:50]} {100 * spent / total:.0f}%" for name, spent in sorted(times.items(), key=lambda t: -t[1])[:3])
-    return (f"profile of one update: {'GPU' if device == 'cuda' else 'aten ops'} busy {min(100.0, total / 1e4 / wall):.0f}% "
+    line = (f"profile of one update: {'GPU' if device == 'cuda' else 'aten ops'} busy {min(100.0, total / 1e4 / wall):.0f}% "
             f"of {wall:.2f} s; of that {shares}; costliest: {top}")
+    if device == "cuda":
+        calls = {e.key: (e.count, e.self_cpu_time_total) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("cu")}
+        line += "\n        " + host_side(calls, wall, len(batches))
+    return line
 
 
 def bench_update(shape, zero, checkpointing, args) -> str:
     model = build_model(shape, args.attention_impl, args.compute_dtype, args.device)
+    declare_modalities(model.model, ())  # text-only data, as a run over it declares: the tower never runs
     if checkpointing:
         enable_gradient_checkpointing(model)
     backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero,

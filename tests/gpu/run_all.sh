@@ -6,6 +6,7 @@
 #   bash tests/gpu/run_all.sh tests                 # pytest -m gpu tests/gpu
 #   bash tests/gpu/run_all.sh demo:float32:2 demo:bfloat16:2 demo:bfloat16:3   # dtype:ZeRO stage[:seed]
 #   bash tests/gpu/run_all.sh bench:1.5B            # bench/gpu_step.py --shapes 1.5B
+#   bash tests/gpu/run_all.sh bench:1.5B:3          # ... --zero 3 only (each update setting: ~2 minutes)
 #   bash tests/gpu/run_all.sh bench                 # every shape, ZeRO stage and checkpointing
 #   bash tests/gpu/run_all.sh shared:36             # bench/shared_prefix.py, bf16, 3B widths at LAYERS layers
 #
@@ -19,9 +20,11 @@
 #   ARCHIVE=FILE      all logs packed into FILE (.tgz) at the end, however the run ended.
 # A relative LOG_DIR or ARCHIVE is taken from the directory run_all is started in.
 #
-# One call's worth on a lent H100 (about 8 minutes; docs/scaling.md, "Checking a GPU machine"):
-#   DEADLINE=480 LOG_DIR=/tmp/gpu ARCHIVE=$OUT/gpu-logs.tgz bash tests/gpu/run_all.sh \
-#       tests+demo:bfloat16:2:0+demo:bfloat16:2:1+demo:float32:2+demo:bfloat16:3 bench:1.5B shared:36
+# The whole acceptance run is longer than one 10-minute call (docs/scaling.md, "Checking a GPU
+# machine": on an H200 the tests and the four demos took 3.3 minutes, each update setting of
+# the bench about 2). The first call's worth:
+#   DEADLINE=540 LOG_DIR=/tmp/gpu ARCHIVE=$OUT/gpu-logs.tgz bash tests/gpu/run_all.sh \
+#       tests+demo:bfloat16:2:0+demo:bfloat16:2:1+demo:float32:2+demo:bfloat16:3 bench:1.5B:2
 #
 # Without a package index: build the wheels on a machine with one
 # (`bash tests/gpu/wheelhouse.sh .whl 3.12`), bring `.whl/` along; they are installed into
@@ -45,18 +48,18 @@ if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this
                 "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" || exit
             cp "runs/gpu-demo-$name/metrics.jsonl" "$3/metrics-$name.jsonl" ;;
         bench)
-            exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ;;
+            exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ${b:+--zero "$b"} ;;
         shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
             exec python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" --threads "$(nproc)" ;;
     esac
     exit
 fi
 
-one_part='(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:+]+)?|shared(:[0-9]+)?)'
+one_part='(tests|demo(:(float32|bfloat16)(:[0-3](:[0-9]+)?)?)?|bench(:[^:+]+(:[0-3])?)?|shared(:[0-9]+)?)'
 seen=" "
 for group in "$@"; do  # a typo fails now, not after an hour of the parts before it
     [[ $group =~ ^$one_part(\+$one_part)*$ ]] || {
-        echo "run_all: unknown part '$group' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)" >&2
+        echo "run_all: unknown part '$group' (tests, demo[:DTYPE[:ZERO[:SEED]]], bench[:SHAPE[:ZERO]], shared[:LAYERS]; '+' joins parts run at once)" >&2
         exit 2; }
     IFS=+ read -ra parts <<< "$group"
     for part in "${parts[@]}"; do  # the same part twice would share its log (a demo: its run directory)

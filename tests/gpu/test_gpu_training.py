@@ -20,11 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype, zero_stage", [("float32", 2), ("bfloat16", 2), ("bfloat16", 3)])
-def test_colour_demo_trains_on_one_gpu_with_nccl(dtype, zero_stage, tiny_vl, colour_data, tmp_path):
+def test_colour_demo_trains_on_one_gpu_with_nccl(dtype, zero_stage, warm_vl, colour_data, tmp_path):
+    """(The warmed model: an untrained one never writes an answer, so every reward is 0, every
+    advantage 0 and every gradient 0, and the check below would say nothing.)"""
     from tests.integration.test_torchrun_training import free_port
 
     overrides = [
-        f"model.path={tiny_vl}", f"data.train_path={colour_data / 'train.jsonl'}",
+        f"model.path={warm_vl}", f"data.train_path={colour_data / 'train.jsonl'}",
         f"data.eval_path={colour_data / 'test.jsonl'}", f"model.compute_dtype={dtype}", f"train.zero_stage={zero_stage}",
         "model.gradient_checkpointing=true", "train.total_steps=4", "eval.every_steps=4", "checkpoint.save_steps=2",
         f"output.dir={tmp_path / 'run'}",

@@ -29,7 +29,9 @@ def archived(tmp_path) -> set[str]:
 
 @pytest.mark.parametrize("parts, env, message", [
     (["tests", "demo:fp16:2"], {}, "run_all: unknown part 'demo:fp16:2' (tests, demo[:DTYPE[:ZERO[:SEED]]], "
-                                   "bench[:SHAPE], shared[:LAYERS]; '+' joins parts run at once)"),
+                                   "bench[:SHAPE[:ZERO]], shared[:LAYERS]; '+' joins parts run at once)"),
+    (["bench:1.5B:4"], {}, "run_all: unknown part 'bench:1.5B:4' (tests, demo[:DTYPE[:ZERO[:SEED]]], "
+                           "bench[:SHAPE[:ZERO]], shared[:LAYERS]; '+' joins parts run at once)"),
     (["demo+bench", "demo:bfloat16:2:0"], {}, "run_all: part 'demo:bfloat16:2:0' is named twice"),
     (["tests"], {"DEADLINE": "8m"}, "run_all: DEADLINE is whole seconds, not '8m'"),
 ])
@@ -43,15 +45,15 @@ def test_a_mistyped_command_stops_before_anything_runs(parts, env, message, tmp_
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the GPU tests run themselves, at full length")
 def test_parts_run_together_a_failure_stops_nothing_and_every_log_is_archived(tmp_path):
     # On CPU the benchmarks, asked for the GPU, fail at once: a failed part among the others.
-    done = run_all("tests+bench:tiny", "shared:2", tmp_path=tmp_path)
+    done = run_all("tests+bench:tiny:2", "shared:2", tmp_path=tmp_path)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("run_all: ")]
     verdicts = {line.split()[1]: line for line in lines[:3]}
     assert verdicts["tests"].startswith("run_all: tests passed after ") and "skipped in" in verdicts["tests"]
-    assert "FAILED (exit status 1)" in verdicts["bench:tiny"] and "FAILED (exit status 1)" in verdicts["shared:2"]
+    assert "FAILED (exit status 1)" in verdicts["bench:tiny:2"] and "FAILED (exit status 1)" in verdicts["shared:2"]
     log = (tmp_path / "logs" / "tests.log").read_text()
     assert "test_colour_demo_trains_on_one_gpu_with_nccl" in log and "no CUDA GPU is visible" in log
-    assert archived(tmp_path) == {"versions.log", "tests.log", "bench-tiny.log", "shared-2.log"}
+    assert archived(tmp_path) == {"versions.log", "tests.log", "bench-tiny-2.log", "shared-2.log"}
 
 
 def test_parts_after_the_deadline_are_skipped_and_the_run_fails(tmp_path):

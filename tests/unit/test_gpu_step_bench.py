@@ -29,3 +29,12 @@ def test_cpu_aten_op_time_splits_into_kinds_of_work():
              "aten::copy_": 1.0, "aten::mul": 2.0, "aten::mm_backward_helper": 1.0}
     assert GPU_STEP["work_shares"](times) == pytest.approx(
         {"communication": 0.0, "attention": 0.2, "matmul": 0.4, "optimizer": 0.0, "copies": 0.1, "other": 0.3})
+
+
+def test_host_side_counts_launches_and_the_time_spent_waiting_for_the_gpu():
+    calls = {"cudaLaunchKernel": (9000, 45_000.0), "cuLaunchKernelEx": (1000, 5_000.0),  # (count, microseconds)
+             "cudaStreamSynchronize": (10, 200_000.0), "cudaDeviceSynchronize": (1, 100_000.0),
+             "cudaMemcpyAsync": (20, 250_000.0), "cudaStreamIsCapturing": (500, 1_000.0)}
+    line = GPU_STEP["host_side"](calls, 2.0, 5)
+    assert line == ("host: 10000 kernel launches (2000 per micro-batch, 200 us of wall time each); waited for the GPU "
+                    "0.55 s of 2.00 s (synchronize 0.30 s, copies 0.25 s)")

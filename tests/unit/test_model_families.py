@@ -202,6 +202,17 @@ def test_bad_video_parts_are_one_line_errors(tiny_vl, tiny_text, frames, tmp_pat
 # ------------------------------------------------------------------- balanced vision calls
 
 
+def counting_tower_calls(family, vl_models, colour_data, tmp_path):
+    """A text and an image rollout, the model, and the list its vision tower's calls append
+    their patch counts to."""
+    model_path = vl_models(family)
+    text, image, _ = make_mixed_rollouts(model_path, colour_data, tmp_path)
+    model = load_model(model_path).eval()
+    calls = []
+    model.model.visual.register_forward_pre_hook(lambda module, args: calls.append(int(args[0].shape[0])))
+    return text, image, model, calls
+
+
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_every_micro_batch_calls_the_vision_tower_for_images_then_videos(family, vl_models, colour_data, tmp_path):
     # ZeRO-3 gathers a module's parameters at each call, so ranks must make the same calls: a
@@ -209,11 +220,7 @@ def test_every_micro_batch_calls_the_vision_tower_for_images_then_videos(family,
     # images and a dummy video; the dummies change no number and leave zero gradients.
     from vlrft.models.vision_calls import encode_vision
 
-    model_path = vl_models(family)
-    text, image, _ = make_mixed_rollouts(model_path, colour_data, tmp_path)
-    model = load_model(model_path).eval()
-    calls = []
-    model.model.visual.register_forward_pre_hook(lambda module, args: calls.append(int(args[0].shape[0])))
+    text, image, model, calls = counting_tower_calls(family, vl_models, colour_data, tmp_path)
     for rollout, first_call in ((text, 4), (image, 16)):
         calls.clear()
         batch = pack([rollout])
@@ -232,6 +239,28 @@ def test_every_micro_batch_calls_the_vision_tower_for_images_then_videos(family,
             zero = encode_vision(model.model, inputs)
             balanced = model.model(**inputs, use_cache=False).last_hidden_state + zero
         assert torch.equal(own, balanced)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_the_tower_runs_only_for_the_declared_modalities(family, vl_models, colour_data, tmp_path):
+    # A run whose data holds images (and no videos) calls the tower for images alone: on a text
+    # micro-batch a dummy image; text-only data calls it never. Same numbers either way. A
+    # micro-batch holding an undeclared modality is an error naming it.
+    from vlrft.models.vision_calls import declare_modalities
+
+    text, image, model, calls = counting_tower_calls(family, vl_models, colour_data, tmp_path)
+    for declared, rollout, expected in ((("image",), text, [4]), (("image",), image, [16]), ((), text, [])):
+        declare_modalities(model.model, declared)
+        calls.clear()
+        with torch.no_grad():
+            logp = policy_forward(model, pack([rollout]), 1.0).logp
+        assert calls == expected
+        declare_modalities(model.model, ("image", "video"))
+        with torch.no_grad():
+            assert torch.equal(logp, policy_forward(model, pack([rollout]), 1.0).logp)
+    declare_modalities(model.model, ["video"])
+    with pytest.raises(ValueError, match="a micro-batch holds image inputs, but this run declared its data holds only video"):
+        policy_forward(model, pack([image]), 1.0)
 
 
 def test_the_run_config_sets_the_video_bounds(tiny_vl, frames, tmp_path):

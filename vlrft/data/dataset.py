@@ -217,6 +217,11 @@ def parts_of(row: dict, kind: str) -> list[dict]:
     ]
 
 
+def modalities_of(rows: list[dict]) -> set[str]:
+    """The vision modalities ("image", "video") any of `rows` holds."""
+    return {kind for kind in ("image", "video") if any(parts_of(row, kind) for row in rows)}
+
+
 def image_sources(row: dict) -> list[str | bytes]:
     """A row's images (absolute paths or encoded bytes) in the order they appear in its messages."""
     return [part["image"] for part in parts_of(row, "image")]

@@ -3,7 +3,7 @@ pretraining-mix term, here any supervised data in the canonical row schema)."""
 
 from __future__ import annotations
 
-from vlrft.data.dataset import DataError, load_rows
+from vlrft.data.dataset import DataError, load_rows, modalities_of
 from vlrft.data.encoding import PromptEncoder
 from vlrft.types import Rollout
 
@@ -17,7 +17,9 @@ class PtxStream:
     ):
         """`bad_input` (trainer/bad_input.py's BadInput) applies data.on_bad_sample to the file's
         rows and prompts; without it the first bad one raises."""
-        rows = (bad_input.load(path) if bad_input is not None else load_rows(path))[rank::world_size]
+        rows = bad_input.load(path) if bad_input is not None else load_rows(path)
+        self.modalities = modalities_of(rows)  # of every rank's rows: the vision calls are the same on all
+        rows = rows[rank::world_size]
         if not rows:
             raise DataError(f"{path}: no PTX rows for rank {rank} of {world_size}")
         items = [(row, -1 - i) for i, row in enumerate(rows)]

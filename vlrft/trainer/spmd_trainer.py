@@ -44,9 +44,11 @@ from vlrft.models.loader import (
 )
 from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights, optimizer_groups
 from vlrft.models.value_model import load_value_model
+from vlrft.models.vision_calls import ALL_MODALITIES, declare_modalities
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
 from vlrft.trainer.build import (
+    data_modalities,
     kl_controller,
     load_reference,
     maker_settings,
@@ -246,6 +248,31 @@ class SPMDTrainer:
         if cfg.algo.kl.coef > 0:
             # A LoRA policy's reference is its own base weights (adapters off): no second copy.
             self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
+        self.declare_vision_modalities(
+            data_modalities(self.train_rows, self.ptx.modalities if self.ptx else set(), cfg.rollout.environment))
+
+    def declare_vision_modalities(self, modalities: set[str]) -> None:
+        """A vision-language policy's tower runs in every micro-batch for the modalities some
+        rank's data holds and for no other (models/vision_calls.py), on every model that calls
+        it. The set only grows (the step API's rows may add one). A collective of the ranks
+        that train: a rank whose data files differ (media one node cannot see) cannot make its
+        vision calls differ."""
+        if self.image_check is None:  # a text policy
+            return
+        policy = self.backend.module.model
+        declared = set(getattr(policy, "vision_modalities", ()))
+        wanted = torch.tensor([float(m in modalities or m in declared) for m in ALL_MODALITIES])
+        union = {m for m, count in zip(ALL_MODALITIES, all_reduce_sum(wanted).tolist()) if count > 0}
+        if hasattr(policy, "vision_modalities") and union == declared:
+            return
+        critic = self.critic.module.backbone if self.critic is not None else None
+        for backbone in (policy, critic, getattr(self.reference, "model", None)):
+            if backbone is not None:
+                declare_modalities(backbone, union)
+        if self.rank == 0:
+            held = " and ".join(f"{m}s" for m in sorted(union))
+            print(f"vlrft: the vision tower runs for {held} in every micro-batch (what the data holds)" if held
+                  else "vlrft: the vision tower is never called: the data holds no images or videos")
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg

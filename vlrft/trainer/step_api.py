@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from vlrft.data.dataset import DataError, canonical_row
+from vlrft.data.dataset import DataError, canonical_row, modalities_of
 from vlrft.distributed import all_gather_1d
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
@@ -77,6 +77,7 @@ def train_on_responses(trainer, prompts: list[dict], responses: list[list], scor
             items.append((canonical_row(row, i, trainer.bad_input.columns, trainer.bad_input.media), first + i))
         except DataError as err:
             problems.append(str(err))
+    trainer.declare_vision_modalities(modalities_of([row for row, _ in items]))
     encoded, skipped = trainer.bad_input.encode(trainer.encoder, items, problems)
     kept = [p.index - first for p in encoded]  # with data.on_bad_sample: skip, bad prompts are left out
     scored = scored_experiences(
@@ -91,7 +92,9 @@ def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> li
     the current policy, for `step`'s prompts and responses. A collective: every rank calls it."""
     check_shapes(len(prompts), responses, responses)
     bad_input = trainer.bad_input
-    encoded = [trainer.encoder.encode(canonical_row(row, i, bad_input.columns, bad_input.media), i) for i, row in enumerate(prompts)]
+    rows = [canonical_row(row, i, bad_input.columns, bad_input.media) for i, row in enumerate(prompts)]
+    trainer.declare_vision_modalities(modalities_of(rows))
+    encoded = [trainer.encoder.encode(row, i) for i, row in enumerate(rows)]
     scored = scored_experiences(encoded, responses, [[0.0] * len(r) for r in responses], trainer.encoder.tokenizer, trainer.stop_ids)
     rollouts = [e.rollout for e in scored]
     placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout

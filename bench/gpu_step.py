@@ -211,6 +211,7 @@ def profile_update(backend: DeepSpeedBackend, batches, device: str) -> str:
 
 
 def bench_update(shape, zero, checkpointing, args) -> str:
+    start = time.perf_counter()
     model = build_model(shape, args.attention_impl, args.compute_dtype, args.device)
     declare_modalities(model.model, ())  # text-only data, as a run over it declares: the tower never runs
     if checkpointing:
@@ -221,8 +222,13 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     batches = [pack(group) for group in split_by_token_budget(samples, args.budget)]
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    timing = time.perf_counter()
     seconds = time_updates(backend, batches, args.repeats, args.device)
+    profiling = time.perf_counter()
     profile = profile_update(backend, batches, args.device)
+    # where a device session's minutes go: building the model and DeepSpeed, the timed updates, the profile
+    spent = (f"setting took {timing - start:.0f} s to build, {profiling - timing:.0f} s to time, "
+             f"{time.perf_counter() - profiling:.0f} s to profile")
     tokens = sum(b.input_ids.numel() for b in batches)
     mfu = model_flops(shape, samples) / seconds / (args.peak_tflops * 1e12)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
@@ -231,7 +237,7 @@ def bench_update(shape, zero, checkpointing, args) -> str:
         torch.cuda.empty_cache()
     return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  {len(batches)} micro-batches  "
             f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s\n"
-            f"        {profile}")
+            f"        {profile}\n        {spent}")
 
 
 @torch.no_grad()

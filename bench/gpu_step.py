@@ -67,14 +67,20 @@ VOCAB = 151_936
 PROMPT_TOKENS = 256
 
 
-def build_model(shape: str, attention: str, compute_dtype: str, device: str) -> torch.nn.Module:
+def build_model(shape: str, attention: str, compute_dtype: str, device: str, narrow: bool = False) -> torch.nn.Module:
+    """The shape's Qwen2.5-VL with random weights; `narrow`: its depths (decoder and vision
+    tower) at tiny widths, whose kernel launches are the same in number (bench/kernel_launches.py)."""
     hidden, layers, heads, kv_heads, mlp = SHAPES[shape]
+    if narrow:
+        hidden, heads, kv_heads, mlp = SHAPES["tiny"][0], SHAPES["tiny"][2], SHAPES["tiny"][3], SHAPES["tiny"][4]
     head_dim = hidden // heads
     section = head_dim // 2 // 4  # M-RoPE sections (t, h, w) summing to head_dim / 2
     text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                 intermediate_size=mlp, vocab_size=VOCAB, max_position_embeddings=32768,
                 rope_scaling={"type": "mrope", "mrope_section": [head_dim // 2 - 2 * section, section, section]})
     vision = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 4} if shape == "tiny" else VISION
+    if narrow:
+        vision = {**vision, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4}
     vision = {**vision, "out_hidden_size": hidden}
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)  # as Qwen2.5 up to 3B
     config._attn_implementation = attention

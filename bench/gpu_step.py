@@ -72,7 +72,7 @@ def build_model(shape: str, attention: str, compute_dtype: str, device: str, nar
     tower) at tiny widths, whose kernel launches are the same in number (bench/kernel_launches.py)."""
     hidden, layers, heads, kv_heads, mlp = SHAPES[shape]
     if narrow:
-        hidden, heads, kv_heads, mlp = SHAPES["tiny"][0], SHAPES["tiny"][2], SHAPES["tiny"][3], SHAPES["tiny"][4]
+        hidden, _, heads, kv_heads, mlp = SHAPES["tiny"]
     head_dim = hidden // heads
     section = head_dim // 2 // 4  # M-RoPE sections (t, h, w) summing to head_dim / 2
     text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -10,7 +10,7 @@ import torch
 
 from tests.process_env import fresh_process_env
 from vlrft.data.dataset import modalities_of
-from vlrft.trainer.build import data_modalities
+from vlrft.trainer.vision_modalities import data_modalities
 
 
 def row(*kinds):

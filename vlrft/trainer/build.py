@@ -8,7 +8,6 @@ import torch
 from vlrft.algo.estimate import AdvantageOptions
 from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
-from vlrft.data.dataset import modalities_of
 from vlrft.config import Config, kl_estimator_name, optimizer_steps_of_run, rollout_correction_mode
 from vlrft.distributed import device
 from vlrft.engines import SamplingParams
@@ -140,13 +139,6 @@ def update_settings(cfg: Config) -> UpdateSettings:
         correction=correction_settings(cfg),
         value_clip=cfg.critic.value_clip,
     )
-
-
-def data_modalities(train_rows: list[dict], ptx_modalities: set[str], environment: str) -> set[str]:
-    """The vision modalities ("image", "video") the run's micro-batches can hold: those of any
-    training or PTX row, and images whenever an environment may show some in an observation.
-    From whole data files, so the same on every rank."""
-    return modalities_of(train_rows) | ptx_modalities | ({"image"} if environment else set())
 
 
 def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:

@@ -44,11 +44,9 @@ from vlrft.models.loader import (
 )
 from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights, optimizer_groups
 from vlrft.models.value_model import load_value_model
-from vlrft.models.vision_calls import ALL_MODALITIES, declare_modalities
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
 from vlrft.trainer.build import (
-    data_modalities,
     kl_controller,
     load_reference,
     maker_settings,
@@ -61,6 +59,7 @@ from vlrft.trainer import checkpoint_io
 from vlrft.trainer.checkpoint_io import TrainingStopped
 from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
 from vlrft.trainer.run_lock import claim_run_dir
+from vlrft.trainer.vision_modalities import agree_modalities, data_modalities
 from vlrft.trainer.critic_update import critic_update
 from vlrft.distributed import (
     all_reduce_sum,
@@ -252,27 +251,12 @@ class SPMDTrainer:
             data_modalities(self.train_rows, self.ptx.modalities if self.ptx else set(), cfg.rollout.environment))
 
     def declare_vision_modalities(self, modalities: set[str]) -> None:
-        """A vision-language policy's tower runs in every micro-batch for the modalities some
-        rank's data holds and for no other (models/vision_calls.py), on every model that calls
-        it. The set only grows (the step API's rows may add one). A collective of the ranks
-        that train: a rank whose data files differ (media one node cannot see) cannot make its
-        vision calls differ."""
-        if self.image_check is None:  # a text policy
-            return
-        policy = self.backend.module.model
-        declared = set(getattr(policy, "vision_modalities", ()))
-        wanted = torch.tensor([float(m in modalities or m in declared) for m in ALL_MODALITIES])
-        union = {m for m, count in zip(ALL_MODALITIES, all_reduce_sum(wanted).tolist()) if count > 0}
-        if hasattr(policy, "vision_modalities") and union == declared:
-            return
-        critic = self.critic.module.backbone if self.critic is not None else None
-        for backbone in (policy, critic, getattr(self.reference, "model", None)):
-            if backbone is not None:
-                declare_modalities(backbone, union)
-        if self.rank == 0:
-            held = " and ".join(f"{m}s" for m in sorted(union))
-            print(f"vlrft: the vision tower runs for {held} in every micro-batch (what the data holds)" if held
-                  else "vlrft: the vision tower is never called: the data holds no images or videos")
+        """A vision-language policy's tower runs for the modalities some rank's data holds, on
+        every model that calls it (trainer/vision_modalities.py). A collective of the ranks that train."""
+        if self.image_check is not None:  # (None: a text policy)
+            backbones = [self.backend.module.model, self.critic.module.backbone if self.critic is not None else None,
+                         getattr(self.reference, "model", None)]
+            agree_modalities([b for b in backbones if b is not None], modalities, self.rank == 0)
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg

@@ -325,9 +325,9 @@ def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weigh
 
     `offload`: optimizer = Adam states and fp32 master weights in CPU memory (ZeRO-Offload,
     stages 1-3); all = parameters too (ZeRO-Infinity, stage 3). `bf16_weights`: DeepSpeed's
-    bf16 mode, bf16 parameters and gradients with fp32 master weights in the optimizer (how
-    bf16 compute runs under ZeRO-3, where autocast would keep a bf16 copy of every gathered
-    weight for the backward)."""
+    bf16 mode, bf16 parameters and backward, gradients summed in fp32, fp32 master weights in
+    the optimizer (how bf16 compute runs under ZeRO-3, where autocast would keep a bf16 copy of
+    every gathered weight for the backward)."""
     zero: dict = {"stage": zero_stage}
     pin = torch.cuda.is_available()  # page-locked host memory speeds up GPU<->CPU copies
     if offload in ("optimizer", "all"):
@@ -344,6 +344,13 @@ def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weigh
     }
     if bf16_weights:
         config["bf16"] = {"enabled": True}
+        # Gradients are summed in fp32, as Megatron and FSDP's usual settings do: over a step's
+        # micro-batches (DeepSpeed's default adds them in the parameters' bf16, where 16 equal
+        # gradients summed are up to 1.5% off) and over the ranks (its reduce-scatter would add
+        # in bf16 too). Costs: the gradient partition in fp32 (4 bytes per parameter / ranks)
+        # and a reduce-scatter of twice the bytes.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
     return config
 
 

@@ -23,9 +23,28 @@ def test_the_modalities_are_those_of_any_row_and_of_environments():
     assert modalities_of([text, row()]) == set()
     assert modalities_of([text, row("image"), row()]) == {"image"}
     assert modalities_of([row("video"), row("image", "video")]) == {"image", "video"}
-    assert data_modalities([text], set(), "") == set()
-    assert data_modalities([text], {"video"}, "") == {"video"}  # PTX rows'
-    assert data_modalities([row("video")], set(), "my_env.py:Game") == {"image", "video"}  # an observation may show images
+    assert data_modalities([text], set(), False) == set()
+    assert data_modalities([text], {"video"}, False) == {"video"}  # PTX rows'
+    assert data_modalities([row("video")], set(), True) == {"image", "video"}  # an observation may show images
+
+
+def test_an_environment_may_say_its_observations_are_text_only(tmp_path):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vlrft.multiturn.environment import EnvironmentFailure, shows_images
+    from vlrft.multiturn.rollout import observation_images
+
+    (tmp_path / "envs.py").write_text("class Game:\n    pass\n\nclass Words:\n    shows_images = False\n")
+    assert shows_images(f"{tmp_path / 'envs.py'}:Game")  # unless it says otherwise
+    assert not shows_images(f"{tmp_path / 'envs.py'}:Words")
+    assert not shows_images("tools") and not shows_images("")  # the built-in tool environment: text results
+    # One that said so and shows an image anyway fails that turn (its tower was never declared).
+    text_only = SimpleNamespace(shows_images=False)
+    assert observation_images([], text_only, "r1") == ("", {}, [])
+    with pytest.raises(EnvironmentFailure, match="showed 1 image.s. on row 'r1', but its class says shows_images = False"):
+        observation_images(["a.png"], text_only, "r1")
 
 
 def test_the_trainer_declares_the_data_modalities_on_its_models(tiny_vl, colour_data, tmp_path, world_of_one):

@@ -9,6 +9,9 @@ An environment answers the policy's turns. One instance serves one trajectory:
         def step(self, action: str) -> Step | tuple: ... # (observation text, reward, done)
 
 `Step.images` shows the policy images with the observation (vision-language models, HF engine).
+An environment class whose observations are text only says so with `shows_images = False`:
+a vision-language policy then never runs its vision tower for observations it cannot get
+(on text data, not at all); an image it shows anyway fails that trajectory's turn.
 
 The row's prompt is the first observation. A name resolves, in order, to a built-in short name
 (BUILTIN_ENVIRONMENTS), an entry point in the group `vlrft.environments`, or
@@ -74,6 +77,12 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
         return load_callable(name)
     except ValueError as err:
         raise ConfigError(f"environment {err}") from None
+
+
+def shows_images(name: str) -> bool:
+    """Whether environment `name` (`rollout.environment`; "" for none) may show images: unless
+    its factory says `shows_images = False`."""
+    return bool(name) and getattr(resolve_environment(name), "shows_images", True) is not False
 
 
 def as_step(answer: Any) -> Step:

@@ -36,6 +36,7 @@ class MultiTurn:
     # Whether the step's budget for reward and environment calls bounds the calls (not those of
     # a batch an async rollout rank started ahead: the budget restarts with each step).
     step_budget: bool = True
+    shows_images: bool = True  # False: the environment said its observations are text only
 
 
 @dataclass
@@ -167,6 +168,8 @@ def observation_images(shown: list, mt: MultiTurn, row_id: str) -> tuple[str, di
     model takes no images in an observation turn."""
     if not shown:
         return "", {}, []
+    if not mt.shows_images:  # (the vision tower was not declared for them: trainer/vision_modalities.py)
+        raise EnvironmentFailure(f"showed {len(shown)} image(s) on row {row_id!r}, but its class says shows_images = False")
     if mt.template.image_part is None or mt.encoder is None or mt.encoder.image_processor is None:
         raise ConfigError(f"the environment showed images on row {row_id!r}: images in observations need a "
                           "vision-language model (its chat template writes image parts in the observation turn) and rollout.engine: hf")

@@ -163,6 +163,7 @@ class ToolEnvironment:
     trajectory. environment_args: tools (list of names or 'file.py:fn'), max_result_chars."""
 
     observation_role = "tool"
+    shows_images = False  # tool results are text
 
     def __init__(self, tools: list[str] = ("calculator",), max_result_chars: int = 1000):
         self.tools = dict(resolve_tool(spec) for spec in tools)

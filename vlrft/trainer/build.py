@@ -16,7 +16,7 @@ from vlrft.errors import ConfigError
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
 from vlrft.algo.losses import LossSettings
 from vlrft.trainer.update import UpdateSettings
-from vlrft.multiturn.environment import EnvironmentFailure
+from vlrft.multiturn.environment import EnvironmentFailure, shows_images
 from vlrft.multiturn.host import EnvironmentHost
 from vlrft.multiturn.rollout import MultiTurn
 from vlrft.multiturn.template import observation_template
@@ -84,7 +84,8 @@ def multi_turn(cfg: Config, encoder, stop_ids: list[int]) -> MultiTurn | None:
     except EnvironmentFailure as failure:
         raise ConfigError(f"environment '{rollout.environment}' could not be built from rollout.environment_args: {failure}") from None
     template = observation_template(encoder.tokenizer, stop_ids, role, cfg.model.path)
-    return MultiTurn(environments, template, rollout.max_turns, rollout.max_trajectory_tokens, encoder)
+    return MultiTurn(environments, template, rollout.max_turns, rollout.max_trajectory_tokens, encoder,
+                     shows_images=shows_images(rollout.environment))
 
 
 def maker_settings(cfg: Config, controller: FixedKLController, image_check=None, multi_turn: MultiTurn | None = None) -> MakerSettings:

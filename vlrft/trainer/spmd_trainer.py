@@ -44,6 +44,7 @@ from vlrft.models.loader import (
 )
 from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights, optimizer_groups
 from vlrft.models.value_model import load_value_model
+from vlrft.multiturn.environment import shows_images
 from vlrft.rewards.mix import RewardError, RewardMix
 from vlrft.trainer.bad_input import BadInput
 from vlrft.trainer.build import (
@@ -247,8 +248,8 @@ class SPMDTrainer:
         if cfg.algo.kl.coef > 0:
             # A LoRA policy's reference is its own base weights (adapters off): no second copy.
             self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
-        self.declare_vision_modalities(
-            data_modalities(self.train_rows, self.ptx.modalities if self.ptx else set(), cfg.rollout.environment))
+        ptx_modalities = self.ptx.modalities if self.ptx else set()
+        self.declare_vision_modalities(data_modalities(self.train_rows, ptx_modalities, shows_images(cfg.rollout.environment)))
 
     def declare_vision_modalities(self, modalities: set[str]) -> None:
         """A vision-language policy's tower runs for the modalities some rank's data holds, on

@@ -10,11 +10,11 @@ from vlrft.distributed import all_reduce_sum
 from vlrft.models.vision_calls import ALL_MODALITIES, declare_modalities
 
 
-def data_modalities(train_rows: list[dict], ptx_modalities: set[str], environment: str) -> set[str]:
+def data_modalities(train_rows: list[dict], ptx_modalities: set[str], environment_shows_images: bool) -> set[str]:
     """The vision modalities ("image", "video") the run's micro-batches can hold: those of any
-    training or PTX row, and images whenever an environment may show some in an observation.
-    From whole data files, so the same on every rank."""
-    return modalities_of(train_rows) | ptx_modalities | ({"image"} if environment else set())
+    training or PTX row, and images when the run's environment may show some in an observation
+    (multiturn/environment.py, shows_images). From whole data files, so the same on every rank."""
+    return modalities_of(train_rows) | ptx_modalities | ({"image"} if environment_shows_images else set())
 
 
 def agree_modalities(backbones: list[torch.nn.Module], modalities: set[str], announce: bool) -> None:

@@ -2,12 +2,14 @@
 
     python bench/gpu_step.py                      # 0.5B, 1.5B, 3B shapes; ZeRO-2/3 x checkpointing
     python bench/gpu_step.py --shapes 1.5B --zero 3 --checkpointing on
+    python bench/gpu_step.py --shapes 1.5B --zero 2 --checkpointing on --weights bf16   # a lever, not vlrft's way
     python bench/gpu_step.py --shapes tiny --device cpu --attention sdpa --compute-dtype float32   # smoke run
 
 Each shape is a Qwen2.5-VL model built from its published text dimensions with random weights
 (vision tower included in memory; the batch is text-only, so the tower does no work: a run
 over text-only data never calls it). The update is vlrft's own: DeepSpeed backend (ZeRO-2, or
-ZeRO-3 in bf16 mode), packed micro-batches of `--budget` tokens through `policy_forward`
+ZeRO-3 in bf16 mode; `--weights bf16` puts ZeRO 0-2 in bf16 mode too, where vlrft keeps fp32
+weights under autocast), packed micro-batches of `--budget` tokens through `policy_forward`
 (varlen attention, chunked LM head on response tokens), a token-mean policy-gradient loss,
 backward and optimizer step. Rollouts have a 256-token prompt and response lengths skewed
 between 64 and 1024 tokens.
@@ -222,8 +224,8 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     declare_modalities(model.model, ())  # text-only data, as a run over it declares: the tower never runs
     if checkpointing:
         enable_gradient_checkpointing(model)
-    backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero,
-                               bf16_weights=zero == 3 and args.compute_dtype == "bfloat16")
+    bf16_weights = args.compute_dtype == "bfloat16" and (zero == 3 or args.weights == "bf16")
+    backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero, bf16_weights=bf16_weights)
     samples = rollouts(args.samples)
     batches = [pack(group) for group in split_by_token_budget(samples, args.budget)]
     if args.device == "cuda":
@@ -241,7 +243,8 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     del backend, model
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  {len(batches)} micro-batches  "
+    return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  "
+            f"{'bf16' if bf16_weights else 'fp32'} weights  {len(batches)} micro-batches  "
             f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s\n"
             f"        {profile}\n        {spent}")
 
@@ -320,7 +323,7 @@ def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", o
             checkpointing, "--device", args.device, "--attention", args.attention, "--compute-dtype", args.compute_dtype,
             "--samples", str(args.samples), "--budget", str(args.budget), "--repeats", str(args.repeats),
             "--peak-tflops", str(args.peak_tflops), "--rollout-prompts", str(args.rollout_prompts),
-            "--new-tokens", str(args.new_tokens)]
+            "--new-tokens", str(args.new_tokens), "--weights", args.weights]
 
 
 def main() -> None:
@@ -337,6 +340,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H100 SXM bf16: 989)")
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--weights", default="vlrft", choices=["vlrft", "bf16"],
+                        help="vlrft: fp32 weights under autocast for ZeRO 0-2, bf16 mode for ZeRO-3; bf16: bf16 mode for all")
     parser.add_argument("--only", choices=["update", "rollout", "optimizer", "transfer"], help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.only:

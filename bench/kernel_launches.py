@@ -11,7 +11,9 @@ The model is bench/gpu_step.py's Qwen2.5-VL shape at its depths (28 decoder laye
 text micro-batch (4 rollouts of the bench's lengths, bf16 compute) under vlrft's DeepSpeed
 backend, with the vision tower declared for: images and videos (a run whose data holds both;
 before 2026-11-26, every run), images (image data: a text micro-batch runs a dummy image, an
-image one its images), nothing (text data).
+image one its images), nothing (text data). Then text data once more with the weights in bf16
+(DeepSpeed's bf16 mode, as under ZeRO-3; `gpu_step.py --weights bf16`): no per-matmul casts of
+fp32 weights.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class LaunchCount(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def launches(shape: str, zero: int, checkpointing: bool, modalities: tuple[str, ...]) -> tuple[int, int]:
+def launches(shape: str, zero: int, checkpointing: bool, modalities: tuple[str, ...],
+             bf16_weights: bool = False) -> tuple[int, int]:
     """(forward, backward) launches of one text micro-batch's update, the tower declared for `modalities`."""
     from vlrft.backends.deepspeed_backend import DeepSpeedBackend
     from vlrft.models.forward import policy_forward
@@ -62,7 +65,8 @@ def launches(shape: str, zero: int, checkpointing: bool, modalities: tuple[str, 
     declare_modalities(model.model, modalities)
     if checkpointing:
         enable_gradient_checkpointing(model)
-    backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero)
+    backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero,
+                               bf16_weights=bf16_weights or zero == 3)  # (ZeRO-3: vlrft's bf16 mode)
     batch = pack(GPU_STEP["rollouts"](4))
 
     def loss():
@@ -93,6 +97,9 @@ def main() -> None:
     for label, modalities in (("images and videos", ("image", "video")), ("images", ("image",)), ("nothing", ())):
         forward, backward = counts[label] = launches(args.shape, args.zero, args.checkpointing == "on", modalities)
         print(f"  tower declared for {label:17s}  forward {forward:6d}  backward {backward:6d}  total {forward + backward:6d}")
+    if args.zero != 3:
+        forward, backward = launches(args.shape, args.zero, args.checkpointing == "on", (), bf16_weights=True)
+        print(f"  {'... nothing, bf16 weights':36s}  forward {forward:6d}  backward {backward:6d}  total {forward + backward:6d}")
     both, none = sum(counts["images and videos"]), sum(counts["nothing"])
     print(f"  one vision-tower pass (forward and backward): {(both - none) // 2} launches; text data now launches "
           f"{both / none:.2f}x fewer than with both dummies")

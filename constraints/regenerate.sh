@@ -13,7 +13,7 @@ if [ -z "$VENV" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[dev]"
 fi
-PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q  # only a green suite's versions are written
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -n 2  # only a green suite's versions are written
 {
     echo "# Versions of a .[dev] environment whose whole suite passed ($(date -u +%F), commit $(git rev-parse --short HEAD),"
     echo "# Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())')). Written by constraints/regenerate.sh."

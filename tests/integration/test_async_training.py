@@ -56,15 +56,14 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
     return metrics, out
 
 
-# Multi-turn: the tools environment runs on the rollout rank; its trajectories (observation
-# tokens out of the loss) travel to the trainer whole. EMA: the rollout rank evaluates the
-# policy EMA the trainer sends after the version it evaluates (held-out "accuracy" scored by
-# distinct_chars, a fraction, so that other weights would show; beta 0.99 keeps the EMA near
-# the initial weights, far from the trained policy).
+# The second run, both at once. Multi-turn: the tools environment runs on the rollout rank; its
+# trajectories (observation tokens out of the loss) travel to the trainer whole. EMA: the
+# rollout rank evaluates the policy EMA the trainer sends after the version it evaluates
+# (held-out "accuracy" scored by distinct_chars, a fraction, so that other weights would show;
+# beta 0.99 keeps the EMA near the initial weights, far from the trained policy).
 @pytest.mark.parametrize("turns, train", [
     ({}, {}),
-    ({"environment": "tools", "max_turns": 2, "max_trajectory_tokens": 16}, {}),
-    ({}, {"ema_beta": 0.99}),
+    ({"environment": "tools", "max_turns": 2, "max_trajectory_tokens": 16}, {"ema_beta": 0.99}),
 ])
 def test_staleness_zero_with_one_rollout_rank_is_the_synchronous_run(turns, train, tiny_text, addition_data, tmp_path):
     staleness_zero_is_the_synchronous_run(turns, train, tiny_text, addition_data, tmp_path)

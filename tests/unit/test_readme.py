@@ -10,7 +10,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 SETUP_COMMANDS = [
     'pip install torch==2.13.0 -e ".[dev]" && bash examples/color_shapes/run.sh   # demo: GRPO on a tiny VLM, 2 CPU ranks',
-    'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q                 # tests',
+    'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q -n 2            # tests',
 ]
 
 # [text](target) or [text](target "title"); images too. Code spans are removed first.

@@ -8,7 +8,7 @@
 Each shape is a Qwen2.5-VL model built from its published text dimensions with random weights
 (vision tower included in memory; the batch is text-only, so the tower does no work: a run
 over text-only data never calls it). The update is vlrft's own: DeepSpeed backend (ZeRO-2, or
-ZeRO-3 in bf16 mode; `--weights bf16` puts ZeRO 0-2 in bf16 mode too, where vlrft keeps fp32
+ZeRO-3 in bf16 mode; `--weights bf16` puts ZeRO-2 in bf16 mode too, where vlrft keeps fp32
 weights under autocast), packed micro-batches of `--budget` tokens through `policy_forward`
 (varlen attention, chunked LM head on response tokens), a token-mean policy-gradient loss,
 backward and optimizer step. Rollouts have a 256-token prompt and response lengths skewed
@@ -341,9 +341,12 @@ def main() -> None:
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--weights", default="vlrft", choices=["vlrft", "bf16"],
-                        help="vlrft: fp32 weights under autocast for ZeRO 0-2, bf16 mode for ZeRO-3; bf16: bf16 mode for all")
+                        help="vlrft: fp32 weights under autocast for ZeRO 0-2, bf16 mode for ZeRO-3; bf16: bf16 mode "
+                             "for ZeRO-2 too")
     parser.add_argument("--only", choices=["update", "rollout", "optimizer", "transfer"], help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
+    if args.weights == "bf16" and min(args.zero) < 2:
+        parser.error("--weights bf16 needs --zero 2 or 3 (DeepSpeed sums bf16 weights' gradients in fp32 there only)")
     if args.only:
         init_distributed()  # a world of one: DeepSpeed needs a process group
         args.attention_impl = resolve_attention(args.attention, args.compute_dtype)

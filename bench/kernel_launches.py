@@ -12,7 +12,7 @@ text micro-batch (4 rollouts of the bench's lengths, bf16 compute) under vlrft's
 backend, with the vision tower declared for: images and videos (a run whose data holds both;
 before 2026-11-26, every run), images (image data: a text micro-batch runs a dummy image, an
 image one its images), nothing (text data). Then text data once more with the weights in bf16
-(DeepSpeed's bf16 mode, as under ZeRO-3; `gpu_step.py --weights bf16`): no per-matmul casts of
+(DeepSpeed's bf16 mode, as under ZeRO-3; `gpu_step.py --weights bf16`; ZeRO-2 only): no per-matmul casts of
 fp32 weights.
 """
 
@@ -97,7 +97,7 @@ def main() -> None:
     for label, modalities in (("images and videos", ("image", "video")), ("images", ("image",)), ("nothing", ())):
         forward, backward = counts[label] = launches(args.shape, args.zero, args.checkpointing == "on", modalities)
         print(f"  tower declared for {label:17s}  forward {forward:6d}  backward {backward:6d}  total {forward + backward:6d}")
-    if args.zero != 3:
+    if args.zero == 2:  # (bf16 weights need ZeRO-2 or 3; ZeRO-3's rows above have them)
         forward, backward = launches(args.shape, args.zero, args.checkpointing == "on", (), bf16_weights=True)
         print(f"  {'... nothing, bf16 weights':36s}  forward {forward:6d}  backward {backward:6d}  total {forward + backward:6d}")
     both, none = sum(counts["images and videos"]), sum(counts["nothing"])

@@ -28,18 +28,19 @@ def policy_state_bytes(params: float, ranks: int, zero_stage: int, offload: str)
 
     ZeRO 0-2 (bf16 by autocast): fp32 weights 4P on every rank; fp32 gradients, fp32 master
     partition and Adam's two moments, 4 + 4 + 8 = 16P, split over ranks (stage 2; stage 0 keeps
-    them whole). ZeRO-3 in DeepSpeed's bf16 mode: bf16 weights and gradients 2 + 2, fp32 master
-    4, Adam 8: 16P split over ranks (fp32 mode: 4 + 4 + 8 = 16P too). Offload moves the master
-    weights and Adam states (12P) to CPU memory, `all` the weights as well.
+    them whole); offload moves the master weights and Adam states (12P) to CPU memory. ZeRO-3 in
+    DeepSpeed's bf16 mode: bf16 weights 2, gradients summed in fp32 4, fp32 master 4, Adam 8: 18P
+    split over ranks; offload moves the gradient partition with the master weights and Adam
+    states (16P) to CPU memory, `all` the weights as well.
     """
     if zero_stage == 0:
         return 20 * params
     if zero_stage in (1, 2):
         cpu_side = 12 * params / ranks if offload != "none" else 0.0
         return 4 * params + 16 * params / ranks - cpu_side
-    per_rank = 16 * params / ranks
+    per_rank = 18 * params / ranks
     if offload == "optimizer":
-        per_rank -= 12 * params / ranks
+        per_rank -= 16 * params / ranks
     if offload == "all":
         per_rank = 0.0  # only the layer being computed is gathered on the GPU
     return per_rank

@@ -133,12 +133,19 @@ def test_reference_is_bf16_only_when_frozen_under_bf16_compute(base):
     (2, "none", False, {"stage": 2}),
     (2, "optimizer", False, {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}),
     (3, "all", True, {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
-                      "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}),
+                      "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
+                      "reduce_bucket_size": 250_000_000}),  # (fp32 gradient sums: DeepSpeed's bucket bytes)
 ])
 def test_deepspeed_config_follows_the_keys(stage, offload, bf16, expected):
     config = deepspeed_config(stage, 1.0, offload, bf16)
     assert config["zero_optimization"] == expected
     assert ("bf16" in config) == bf16 and config["gradient_clipping"] == 1.0
+    assert ("data_types" in config) == ("communication_data_type" in config) == bf16
+
+
+def test_bf16_weights_without_zero_2_or_3_are_refused():
+    with pytest.raises(ValueError, match="bf16 weights need ZeRO stage 2 or 3, not 1"):
+        deepspeed_config(1, 1.0, "none", True)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -328,6 +328,10 @@ def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weigh
     bf16 mode, bf16 parameters and backward, gradients summed in fp32, fp32 master weights in
     the optimizer (how bf16 compute runs under ZeRO-3, where autocast would keep a bf16 copy of
     every gathered weight for the backward)."""
+    if bf16_weights and zero_stage < 2:
+        # (DeepSpeed has no fp32 gradient sums for bf16 weights without ZeRO, and at stage 1
+        # swaps in another optimizer for them.)
+        raise ValueError(f"bf16 weights need ZeRO stage 2 or 3, not {zero_stage}")
     zero: dict = {"stage": zero_stage}
     pin = torch.cuda.is_available()  # page-locked host memory speeds up GPU<->CPU copies
     if offload in ("optimizer", "all"):
@@ -347,10 +351,13 @@ def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weigh
         # Gradients are summed in fp32, as Megatron and FSDP's usual settings do: over a step's
         # micro-batches (DeepSpeed's default adds them in the parameters' bf16, where 16 equal
         # gradients summed are up to 1.5% off) and over the ranks (its reduce-scatter would add
-        # in bf16 too). Costs: the gradient partition in fp32 (4 bytes per parameter / ranks)
-        # and a reduce-scatter of twice the bytes.
+        # in bf16 too). Costs: the gradient partition in fp32 (4 bytes per parameter / ranks),
+        # a reduce-scatter of twice the bytes (parameter gathers stay bf16) and, with
+        # offload, twice the host<->GPU bytes to add a micro-batch's gradients. The reduce
+        # bucket, allocated whole in the reduction's dtype, is halved to keep its bytes (1 GB).
         config["data_types"] = {"grad_accum_dtype": "fp32"}
         config["communication_data_type"] = "fp32"
+        zero["reduce_bucket_size"] = 250_000_000
     return config
 
 

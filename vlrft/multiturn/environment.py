@@ -9,9 +9,10 @@ An environment answers the policy's turns. One instance serves one trajectory:
         def step(self, action: str) -> Step | tuple: ... # (observation text, reward, done)
 
 `Step.images` shows the policy images with the observation (vision-language models, HF engine).
-An environment class whose observations are text only says so with `shows_images = False`:
-a vision-language policy then never runs its vision tower for observations it cannot get
-(on text data, not at all); an image it shows anyway fails that trajectory's turn.
+An environment class whose observations are text only says so with a class attribute
+`shows_images = False` (read from the class, or a factory function, before any instance
+exists): a vision-language policy then never runs its vision tower for observations it cannot
+get (on text data, not at all); an image it shows anyway fails that trajectory's turn.
 
 The row's prompt is the first observation. A name resolves, in order, to a built-in short name
 (BUILTIN_ENVIRONMENTS), an entry point in the group `vlrft.environments`, or

@@ -11,9 +11,9 @@ The model is bench/gpu_step.py's Qwen2.5-VL shape at its depths (28 decoder laye
 text micro-batch (4 rollouts of the bench's lengths, bf16 compute) under vlrft's DeepSpeed
 backend, with the vision tower declared for: images and videos (a run whose data holds both;
 before 2026-11-26, every run), images (image data: a text micro-batch runs a dummy image, an
-image one its images), nothing (text data). Then text data once more with the weights in bf16
-(DeepSpeed's bf16 mode, as under ZeRO-3; `gpu_step.py --weights bf16`; ZeRO-2 only): no per-matmul casts of
-fp32 weights.
+image one its images), nothing (text data). Then, under ZeRO-2, text data once more with the
+weights in bf16 (DeepSpeed's bf16 mode, as under ZeRO-3; `gpu_step.py --weights bf16`): no
+per-matmul casts of fp32 weights.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ Compute precision (`model.compute_dtype`): `bfloat16` runs the decoder (vision t
 and the LM head's matmul under torch.autocast; logsumexp, logprobs, entropy and the value head
 stay fp32. Under ZeRO 0-2 the parameters stay fp32 (the optimizer's master copy, cast per
 matmul by autocast). Under ZeRO-3 the policy and critic use DeepSpeed's bf16 mode instead
-(bf16 parameters, fp32 master weights in the optimizer): autocast there would keep the bf16
-cast of every gathered weight until backward, a full bf16 copy of the model per rank.
+(bf16 parameters, gradients summed in fp32, fp32 master weights in the optimizer: see
+backends/deepspeed_backend.py): autocast there would keep the bf16 cast of every gathered
+weight until backward, a full bf16 copy of the model per rank.
 """
 
 from __future__ import annotations

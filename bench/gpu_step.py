@@ -46,7 +46,7 @@ import time
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from vlrft.backends.deepspeed_backend import DeepSpeedBackend
+from vlrft.backends.deepspeed_backend import DeepSpeedBackend, uses_bf16_weights
 from vlrft.distributed import exit_process, init_distributed
 from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
@@ -224,7 +224,7 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     declare_modalities(model.model, ())  # text-only data, as a run over it declares: the tower never runs
     if checkpointing:
         enable_gradient_checkpointing(model)
-    bf16_weights = args.compute_dtype == "bfloat16" and (zero == 3 or args.weights == "bf16")
+    bf16_weights = uses_bf16_weights(args.compute_dtype, zero) or (args.compute_dtype == "bfloat16" and args.weights == "bf16")
     backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero, bf16_weights=bf16_weights)
     samples = rollouts(args.samples)
     batches = [pack(group) for group in split_by_token_budget(samples, args.budget)]

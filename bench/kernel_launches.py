@@ -55,7 +55,7 @@ class LaunchCount(TorchDispatchMode):
 def launches(shape: str, zero: int, checkpointing: bool, modalities: tuple[str, ...],
              bf16_weights: bool = False) -> tuple[int, int]:
     """(forward, backward) launches of one text micro-batch's update, the tower declared for `modalities`."""
-    from vlrft.backends.deepspeed_backend import DeepSpeedBackend
+    from vlrft.backends.deepspeed_backend import DeepSpeedBackend, uses_bf16_weights
     from vlrft.models.forward import policy_forward
     from vlrft.models.loader import enable_gradient_checkpointing
     from vlrft.models.packing import pack
@@ -66,7 +66,7 @@ def launches(shape: str, zero: int, checkpointing: bool, modalities: tuple[str, 
     if checkpointing:
         enable_gradient_checkpointing(model)
     backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero,
-                               bf16_weights=bf16_weights or zero == 3)  # (ZeRO-3: vlrft's bf16 mode)
+                               bf16_weights=bf16_weights or uses_bf16_weights("bfloat16", zero))
     batch = pack(GPU_STEP["rollouts"](4))
 
     def loss():

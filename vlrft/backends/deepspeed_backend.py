@@ -320,6 +320,12 @@ class DeepSpeedBackend:
         barrier()
 
 
+def uses_bf16_weights(compute_dtype: str, zero_stage: int) -> bool:
+    """Whether vlrft runs a trained model (policy, critic) in DeepSpeed's bf16 mode: bf16 compute
+    under ZeRO-3 (models/attention.py says why); ZeRO 0-2 keep fp32 weights under autocast."""
+    return compute_dtype == "bfloat16" and zero_stage == 3
+
+
 def deepspeed_config(zero_stage: int, grad_clip: float, offload: str, bf16_weights: bool) -> dict:
     """The DeepSpeed config for a vlrft model.
 

@@ -154,7 +154,7 @@ def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
 
 def training_backend(cfg: Config, model: torch.nn.Module, lr: float, param_groups: list[dict] | None = None):
     """DeepSpeed around `model` (policy or critic) with the run's optimizer settings."""
-    from vlrft.backends.deepspeed_backend import DeepSpeedBackend  # heavy import, only here
+    from vlrft.backends.deepspeed_backend import DeepSpeedBackend, uses_bf16_weights  # heavy import, only here
 
     return DeepSpeedBackend(
         model,
@@ -166,7 +166,6 @@ def training_backend(cfg: Config, model: torch.nn.Module, lr: float, param_group
         total_optimizer_steps=optimizer_steps_of_run(cfg),
         warmup_steps=cfg.train.warmup_steps,
         offload=cfg.train.offload,
-        # ZeRO-3 runs bf16 compute in DeepSpeed's bf16 mode (models/attention.py says why).
-        bf16_weights=cfg.model.compute_dtype == "bfloat16" and cfg.train.zero_stage == 3,
+        bf16_weights=uses_bf16_weights(cfg.model.compute_dtype, cfg.train.zero_stage),
         param_groups=param_groups,
     )

@@ -92,9 +92,10 @@ def _validate_mode(cfg: Config) -> None:
         if train.partial_rollouts:
             raise ConfigError("config key 'train.partial_rollouts' needs train.mode async")
         return
-    if train.partial_rollouts and cfg.rollout.ranks != 1:
-        # Several rollout ranks would take a version at different points of their collectives.
-        raise ConfigError("config key 'train.partial_rollouts' needs rollout.ranks 1 (docs/async.md)")
+    if train.partial_rollouts and cfg.rollout.engine_tp_size != 1:
+        # A tensor-parallel engine decodes in step on all its ranks: each would look for new
+        # weights at a moment of its own.
+        raise ConfigError("config key 'train.partial_rollouts' needs rollout.engine_tp_size 1 (docs/async.md)")
     if cfg.rollout.ranks < 1:
         raise ConfigError("train.mode async needs rollout.ranks >= 1: the ranks that generate")
 

@@ -366,17 +366,17 @@ class VersionBoard:
     """The newest weights version trainer rank 0 has announced, on the job's key-value store: a
     rollout rank reads it without joining a collective (between two decoding steps, or before it
     waits for a broadcast), says it is ready for it, and takes the broadcast once trainer rank 0
-    has seen every rollout rank ready and begun it. Until then trainer rank 0 waits on the store,
-    not inside the broadcast, so that a signal can still stop the trainers at once. Also where
-    the trainers post the step they stopped after, so that no rollout rank waits for a broadcast
-    that will not come."""
+    has seen every rollout rank of its delivery ready and begun sending to that delivery. Until
+    then trainer rank 0 waits on the store, not inside the broadcast, so that a signal can still
+    stop the trainers at once. Also where the trainers post the step they stopped after, so that
+    no rollout rank waits for a broadcast that will not come."""
 
     KEY = "vlrft/async/weights_version"
     STOP_KEY = "vlrft/async/stopped_after"
     RECEIVED_KEY = "vlrft/async/received_from/"  # + a rollout rank's global rank: its batches received
     EVALUATION_KEY = "vlrft/async/evaluation/"  # + a weights version: its held-out metrics
-    READY_KEY = "vlrft/async/ready_for/"  # + a weights version: the rollout ranks waiting to take it
-    SENDING_KEY = "vlrft/async/sending"  # the newest version trainer rank 0 has begun to broadcast
+    READY_KEY = "vlrft/async/ready_for/"  # + a weights version / a rollout rank's global rank: it waits to take it
+    SENDING_KEY = "vlrft/async/sending_to/"  # + a delivery: the newest version trainer rank 0 began to send it
 
     def __init__(self):
         self.store = watch_store(PROCESS_GROUP_TIMEOUT.total_seconds())
@@ -392,19 +392,20 @@ class VersionBoard:
         """Count `version` as announced already (a resumed run starts from its checkpoint's)."""
         self.store.add(self.KEY, version - self.newest())
 
-    def ready(self, version: int) -> None:
-        """This rollout rank waits to take `version` (it takes the broadcast once it is sending)."""
-        self.store.add(f"{self.READY_KEY}{version}", 1)
+    def ready(self, version: int, rollout_rank: int) -> None:
+        """Rollout rank `rollout_rank` (global) waits to take `version`: it takes the broadcast
+        once trainer rank 0 is sending it to its delivery."""
+        self.store.add(f"{self.READY_KEY}{version}/{rollout_rank}", 1)
 
-    def ready_count(self, version: int) -> int:
-        return self.store.add(f"{self.READY_KEY}{version}", 0)
+    def is_ready(self, version: int, rollout_rank: int) -> bool:
+        return self.store.add(f"{self.READY_KEY}{version}/{rollout_rank}", 0) > 0
 
-    def send(self, version: int) -> None:
-        """Trainer rank 0 begins the broadcast of `version` (every rollout rank is ready for it)."""
-        self.store.add(self.SENDING_KEY, version - self.sending())
+    def send(self, version: int, delivery: int) -> None:
+        """Trainer rank 0 begins to send `version` to delivery `delivery` (its rollout ranks are ready)."""
+        self.store.add(f"{self.SENDING_KEY}{delivery}", version - self.sending(delivery))
 
-    def sending(self) -> int:
-        return self.store.add(self.SENDING_KEY, 0)
+    def sending(self, delivery: int) -> int:
+        return self.store.add(f"{self.SENDING_KEY}{delivery}", 0)
 
     def stop(self, step: int) -> None:
         self.store.add(self.STOP_KEY, step)

@@ -162,6 +162,53 @@ def test_partial_rollouts_take_new_weights_without_losing_a_batch(tiny_text, add
     print("updates taken mid-batch:", [s["async/updates_mid_batch"] for s in steps])
 
 
+# (3 ranks: one trainer, two rollout ranks) and (4: two trainers under ZeRO-3, which gather the
+# weights once per rollout rank, with a policy EMA that each rollout rank evaluates).
+@pytest.mark.parametrize("ranks, zero_stage, ema_beta", [(3, 2, 0.0), (4, 3, 0.99)])
+def test_partial_rollouts_on_two_rollout_ranks_take_versions_on_their_own(ranks, zero_stage, ema_beta, tiny_text,
+                                                                          addition_data, tmp_path):
+    # Versions 2 and 4 are evaluated (a collective of the rollout ranks): those wait for a
+    # batch's end, the others may land mid-batch on either rank.
+    metrics, _ = run(tmp_path, "async", ranks, tiny_text, addition_data, rollout={"ranks": 2, "max_new_tokens": 48},
+                     mode="async", max_staleness=1, partial_rollouts=True, total_steps=5,
+                     zero_stage=zero_stage, ema_beta=ema_beta, sections={"eval": {"every_steps": 2}})
+    steps = [metrics[step] for step in range(1, 6)]
+    assert all(s["rollout/sequences"] == 16 and s["async/staleness_max"] <= 1 for s in steps)
+    assert all(s["async/updates_mid_batch"] in (0.0, 0.5, 1.0) for s in steps)  # (the rollout ranks' mean)
+    assert [step for step in range(6) if "eval/accuracy" in metrics.get(step, {})] == [0, 2, 4, 5]
+    assert (tmp_path / "async" / "final" / "config.json").is_file()
+    print("updates taken mid-batch:", [s["async/updates_mid_batch"] for s in steps])
+
+
+@pytest.mark.parametrize("routes", ["own", "shared"])
+def test_partial_rollouts_send_each_rollout_rank_its_weights_whatever_its_peers_do(routes, tmp_path):
+    """Rollout rank 1 takes a version at once and then meets rank 2 in an all-reduce that rank
+    2 entered before taking it. One broadcast to both deadlocks there (trainer rank 0 waits for
+    rank 2, rank 2 for rank 1, rank 1 for the broadcast); with a delivery per rollout rank (the
+    routes of partial rollouts) rank 0 serves each as it becomes ready."""
+    worker = Path(__file__).with_name("partial_weights_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           str(worker), routes]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, "PYTHONPATH": str(Path(__file__).parents[2])},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=20 if routes == "shared" else 120)
+    except subprocess.TimeoutExpired:
+        for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+            process.kill()
+        assert routes == "shared", "deadlocked with a delivery per rollout rank"
+        return
+    assert routes == "own", "one broadcast to both should deadlock here:\n" + out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    received = [{"w": [float(v)] * 3, "b": [-float(v)]} for v in (1, 2, 3)]
+    received[1] = {}  # version 2 came without tensors
+    for rank in (1, 2):
+        assert f"rank {rank} received {received}" in out, out[-3000:]
+    # Each version's own iteration ran once; the second delivery of versions 1 and 3 read the
+    # weights again, version 2's sent nothing to either; rank 2 was served first where it was ready first.
+    assert "first passes [1, 3]; resends [1, 3]; deliveries [(1, [1]), (1, [2]), (2, [1]), (2, [2]), (3, [2]), (3, [1])]" in out, out[-3000:]
+
+
 def by_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
     """The process of global rank `rank` among torchrun's children."""
     for child in launcher.children(recursive=True):
@@ -245,8 +292,11 @@ def kill_9_and_resume(ranks, zero_stage, victim, ahead, tiny_text, addition_data
         assert sorted(set(trained)) == expected and len(trained) == 16, step  # 4 prompts x 4 responses
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial, tiny_text, addition_data, tmp_path):
+# (partial rollouts, rollout ranks): with two, each takes the step's weights on its own, and
+# the trainer may stop after it served one of them.
+@pytest.mark.parametrize("partial, rollout_ranks", [(False, 1), (True, 1), (True, 2)])
+def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial, rollout_ranks, tiny_text, addition_data,
+                                                                         tmp_path):
     """SIGTERM to torchrun (which passes it to every rank): the trainer finishes its step, saves
     a checkpoint with the rollout rank's state and posts the stop; the rollout rank stops at its
     next wait instead of waiting for weights that will not come. The rerun resumes there.
@@ -262,7 +312,7 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial
     config = {
         "model": {"path": tiny_text},
         "data": {"train_path": str(addition_data / "train.jsonl")},
-        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": 1},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 6, "ranks": rollout_ranks},
         "train": {"total_steps": 5, "lr": 1e-2, "micro_batch_tokens": 200, "mode": "async", "max_staleness": 1,
                   "partial_rollouts": partial},
         "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
@@ -274,7 +324,8 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     (tmp_path / "hold_signal").touch()  # HELD_RECIPE: reward calls wait once step 1's trajectories exist
-    proc = launch(path, ranks=2)
+    ranks = 1 + rollout_ranks
+    proc = launch(path, ranks=ranks)
     first_step = tmp_path / "run" / "trajectories" / "step_000001.rank0.jsonl"
     while not first_step.is_file():
         assert proc.poll() is None, proc.stdout.read()[-4000:]
@@ -291,9 +342,9 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial
     assert "SIGKILL" not in out  # every rank ended by itself, within torchrun's grace period
     (saved,) = (tmp_path / "run" / "checkpoints").iterdir()
     stopped_at = int(saved.name.split("_")[1])
-    assert sorted(p.name for p in saved.iterdir()) == ["policy", "rank0.pt", "rank1.pt", "trainer.pt"]
+    assert sorted(p.name for p in saved.iterdir()) == ["policy"] + [f"rank{r}.pt" for r in range(ranks)] + ["trainer.pt"]
 
-    out = finish(launch(path, ranks=2))
+    out = finish(launch(path, ranks=ranks))
     assert f"at step {stopped_at}" in out
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5]

@@ -153,6 +153,10 @@ def test_async_mode_needs_rollout_ranks_that_leave_trainers(tmp_path):
         load_config(write(tmp_path, BASE), ["rollout.ranks=1"])
     with pytest.raises(ConfigError, match="'train.max_staleness' must be >= 0"):
         load_config(write(tmp_path, BASE), ["train.max_staleness=-1"])
+    partial = ["train.mode=async", "checkpoint.save_steps=0", "train.partial_rollouts=true"]
+    load_config(write(tmp_path, BASE), partial + ["rollout.ranks=2"])  # each rollout rank takes weights on its own
+    with pytest.raises(ConfigError, match="'train.partial_rollouts' needs rollout.engine_tp_size 1"):
+        load_config(write(tmp_path, BASE), partial + ["rollout.ranks=2", "rollout.engine=vllm", "rollout.engine_tp_size=2"])
     cfg = load_config(write(tmp_path, BASE), ["train.mode=async", "rollout.ranks=2", "checkpoint.save_steps=0",
                                               "rollout.rollout_prompts=6"])
     check_world_size(cfg, 3)  # 2 generate, 1 trains; 6 prompts split over the 2 that generate

@@ -54,6 +54,11 @@ POLL_S = 0.01  # how often a waiting rollout rank looks at the job's store
 WEIGHTS_POLL_S = 0.05
 
 
+# A rollout rank's own metrics (the others are all-reduced among the rollout ranks): the trainers
+# log their mean over the rollout ranks.
+ROLLOUT_RANK_OWN = ("async/rollout_wait_seconds", "async/started_ahead", "async/updates_mid_batch")
+
+
 def role_ranks(rollout_ranks: int, world: int) -> tuple[list[int], list[int]]:
     """(rollout ranks, trainer ranks) as global ranks: the trainers first, from global rank 0."""
     trainers = world - rollout_ranks
@@ -99,34 +104,64 @@ def evaluation_due(version: int, every: int, total: int, sources: list) -> bool:
     return bool(every and sources) and (version % every == 0 or version == total)
 
 
-def take_async_role(rollout_ranks: int):
+def takes_mid_batch(version: int, rollout_ranks: int, every: int, total: int, sources: list) -> bool:
+    """Whether a rollout rank with partial rollouts takes weights `version` between two decoding
+    steps. A version the rollout ranks evaluate waits for the batch's end when there are several
+    (evaluation is a collective of theirs): each takes those at the same points of its loop,
+    where every one of them takes the same versions up to the same one, while the others may be
+    taken anywhere, since each rollout rank receives them on its own."""
+    return rollout_ranks == 1 or not evaluation_due(version, every, total, sources)
+
+
+@dataclass
+class WeightsRoutes:
+    """How trainer rank 0 sends weights to the rollout ranks: one delivery (a process group of
+    trainer rank 0 and the rollout ranks it reaches) at a time. Without partial rollouts one
+    delivery reaches them all (a broadcast); with them each rollout rank is a delivery of its
+    own, so that it can take a version whenever it looks, whatever its peers are doing."""
+
+    groups: list  # a process group per delivery
+    deliveries: list[list[int]]  # each delivery's rollout ranks (global ranks)
+    mine: int | None  # a rollout rank: the delivery that reaches it
+
+    @property
+    def group(self):
+        """A rollout rank's group, where its weights arrive."""
+        return self.groups[self.mine]
+
+
+def take_async_role(rollout_ranks: int, each_rank_on_its_own: bool) -> tuple[str, WeightsRoutes]:
     """Split the world into rollout and trainer ranks (collective: every rank, once). Returns
-    (role, weights group): the group in which trainer rank 0 (global rank 0) broadcasts to the
-    rollout ranks."""
+    (role, the routes of the weights from trainer rank 0, global rank 0)."""
     rollouts, trainers = role_ranks(rollout_ranks, global_world_size())
     me = global_rank()
     role = "rollout" if me in rollouts else "trainer"
     take_role(rollouts if role == "rollout" else trainers, [rollouts, trainers])
-    (weights_group,) = new_groups([[trainers[0], *rollouts]])
-    return role, weights_group
+    deliveries = [[r] for r in rollouts] if each_rank_on_its_own else [rollouts]
+    groups = new_groups([[trainers[0], *delivery] for delivery in deliveries])
+    mine = next((i for i, delivery in enumerate(deliveries) if me in delivery), None)
+    return role, WeightsRoutes(groups, deliveries, mine)
 
 
 class RolloutRanks:
-    """The trainer ranks' engine: `update_weights` broadcasts the new weights to the rollout
-    ranks (trainer rank 0 sends; the other trainer ranks take part in ZeRO-3's gathers and
-    discard), followed, for a version the rollout ranks evaluate, by what they evaluate instead
-    of it (`evaluated(version)`: the policy EMA, or None). Generation happens elsewhere, so
-    sleep and wake have nothing to do.
+    """The trainer ranks' engine: `update_weights` sends the new weights to the rollout ranks,
+    one delivery after another (WeightsRoutes), each followed, for a version the rollout ranks
+    evaluate, by what they evaluate instead of it (`evaluated(version)`: the policy EMA, or
+    None). Trainer rank 0 sends; the other trainer ranks take part in ZeRO-3's gathers and
+    discard. The first delivery gets `named_tensors` (whose iteration also moves the reference
+    and policy EMAs), each further one `resend()`: the same weights, read again (under ZeRO-3,
+    gathered again). A version without tensors (a frozen actor's) stays one for every delivery.
+    Generation happens elsewhere, so sleep and wake have nothing to do.
 
-    Trainer rank 0 announces a version and waits, on the store, until every rollout rank is
-    ready to take it: with S >= 1 that is after they generate another batch. If `stopping()`
-    turns true meanwhile (a signal: the trainers stop after this step), it sends nothing and
-    `skipped` is set; the checkpoint the trainers save next holds these weights."""
+    Trainer rank 0 announces a version and serves each delivery once all its rollout ranks are
+    ready to take it, in the order they become ready (on the store): with S >= 1 that may be
+    after they generate another batch. If `stopping()` turns true meanwhile (a signal: the
+    trainers stop after this step), it sends no more and `skipped` is set; the checkpoint the
+    trainers save next holds these weights."""
 
-    def __init__(self, weights_group, source: int, sends: bool, evaluated: Callable[[int], Iterable | None],
-                 rollout_ranks: int):
-        self.weights_group, self.source, self.sends, self.evaluated = weights_group, source, sends, evaluated
-        self.rollout_ranks = rollout_ranks
+    def __init__(self, routes: WeightsRoutes, source: int, sends: bool, evaluated: Callable[[int], Iterable | None],
+                 resend: Callable[[], Iterable]):
+        self.routes, self.source, self.sends, self.evaluated, self.resend = routes, source, sends, evaluated, resend
         self.board = VersionBoard() if sends else None
         self.version = 0
         self.stopping: Callable[[], bool] = lambda: False  # set by run_trainer for the steps a signal may end
@@ -143,21 +178,41 @@ class RolloutRanks:
         if self.sends:
             announced = self.board.announce()
             assert announced == self.version, (announced, self.version)
-            while self.board.ready_count(self.version) < self.rollout_ranks:
-                if self.stopping():
-                    self.skipped = True
-                    for _ in named_tensors:  # (ZeRO-3's gathers, and the EMAs that move with them)
-                        pass
-                    return
-                time.sleep(POLL_S)
-            self.board.send(self.version)
-            broadcast_weights(self.weights_group, self.source, self.version, named_tensors)
-            ema = self.evaluated(self.version)  # (complete now: the EMA moved with each tensor sent)
+        has_tensors = False
+
+        def first():
+            nonlocal has_tensors
+            for item in named_tensors:
+                has_tensors = True
+                yield item
+
+        waiting = list(range(len(self.routes.deliveries)))
+        for number in range(len(waiting)):  # every trainer rank: one pass over the weights per delivery
+            weights = first() if number == 0 else self.resend() if has_tensors else iter(())
+            delivery = self._next_ready(waiting) if self.sends and not self.skipped else None
+            if delivery is None:
+                for _ in weights:  # (ZeRO-3's gathers, and the EMAs that move with the first pass)
+                    pass
+                continue
+            waiting.remove(delivery)
+            group = self.routes.groups[delivery]
+            self.board.send(self.version, delivery)
+            broadcast_weights(group, self.source, self.version, weights)
+            ema = self.evaluated(self.version)  # (complete now: the EMA moved with the first pass)
             if ema is not None:
-                broadcast_weights(self.weights_group, self.source, self.version, ema, header=EMA_HEADER)
-        else:
-            for _ in named_tensors:
-                pass
+                broadcast_weights(group, self.source, self.version, ema, header=EMA_HEADER)
+
+    def _next_ready(self, waiting: list[int]) -> int | None:
+        """A delivery of `waiting` whose rollout ranks are all ready for this version (waits on
+        the store); None, and `skipped` set, if the trainers stop meanwhile."""
+        while True:
+            for delivery in waiting:
+                if all(self.board.is_ready(self.version, r) for r in self.routes.deliveries[delivery]):
+                    return delivery
+            if self.stopping():
+                self.skipped = True
+                return None
+            time.sleep(POLL_S)
 
     def sleep(self) -> None:
         pass
@@ -211,9 +266,9 @@ def take_version(trainer, board: VersionBoard, version: int, stop_if_the_trainer
             time.sleep(POLL_S)
 
     wait_until(lambda: board.newest() >= version)
-    board.ready(version)
-    wait_until(lambda: board.sending() >= version)
-    return receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version, trainer.engine)
+    board.ready(version, global_rank())
+    wait_until(lambda: board.sending(trainer.weights.mine) >= version)
+    return receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine)
 
 
 def run_role(trainer) -> list[tuple[int, float]]:
@@ -238,7 +293,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             live = None
             if cfg.train.ema_beta > 0 and version > 0:  # the trainers send the policy EMA after this version: it is evaluated
                 live = list(trainer.engine.named_weights())
-                receive_weights(trainer.weights_group, WEIGHTS_SOURCE, version, trainer.engine, header=EMA_HEADER)
+                receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine, header=EMA_HEADER)
             metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
             if live is not None:
                 trainer.engine.update_weights(live)
@@ -283,15 +338,16 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             if time.monotonic() - looked < WEIGHTS_POLL_S:
                 return False
             looked = time.monotonic()
-            if board.newest() <= version:
-                return False
-            while version < board.newest():
+            took = False
+            while version < board.newest() and takes_mid_batch(version + 1, rollout_ranks, every, total, trainer.eval_sources):
                 next_version()
                 taken_mid_batch += 1
-            return True
+                took = True
+            return took
 
         trainer.engine.new_weights = new_weights
-        if trainer.maker.settings.multi_turn is not None and not cfg.rollout.dynamic_sampling:
+        # (Batches started ahead draw prompts, a collective of the rollout ranks when there are several.)
+        if trainer.maker.settings.multi_turn is not None and not cfg.rollout.dynamic_sampling and rollout_ranks == 1:
             trainer.maker.between_turns = partial(start_next_batch, trainer, new_weights, lambda: version, board)
 
     evaluate_if_due()  # (a resumed run evaluates its step again: discard_after dropped that line)
@@ -385,10 +441,15 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         assert all(m["step"] == step for m in messages), [m["step"] for m in messages]
         kept = [e for m in messages for e in m["kept"]]
         generated = [e for m in messages for e in m["generated"]]
-        # Rollout metrics are the same on every rollout rank (all-reduced there).
+        # Rollout metrics are the same on every rollout rank (all-reduced there), but for each
+        # one's own timings and counts: those are averaged over the rollout ranks.
         metrics = dict(messages[0]["metrics"]) if messages else {}
         ages = [staleness(step, m["version"]) for m in messages]
-        age_sum, batches = all_reduce_sum(torch.tensor([float(sum(ages)), float(len(ages))])).tolist()
+        own = torch.tensor([[m["metrics"][key] for key in ROLLOUT_RANK_OWN] for m in messages], dtype=torch.float64)
+        age_sum, batches, *own_sums = all_reduce_sum(
+            torch.cat([torch.tensor([float(sum(ages)), float(len(ages))]), own.reshape(-1, len(ROLLOUT_RANK_OWN)).sum(0)])
+        ).tolist()
+        metrics |= {key: total / max(batches, 1.0) for key, total in zip(ROLLOUT_RANK_OWN, own_sums)}
         metrics["async/staleness_mean"] = age_sum / max(batches, 1.0)
         metrics["async/staleness_max"] = float(all_reduce_max_int(max(ages, default=0)))
         metrics["async/trainer_wait_seconds"] = waited

@@ -114,11 +114,11 @@ class SPMDTrainer:
             discard_after(self.out_dir, start_step, evaluation_at_step=cfg.train.mode == "async")
         # Asynchronous training: this rank generates or trains, and from here on its rank and
         # world are those of its role (trainer/async_roles.py).
-        self.role, self.weights_group = "both", None
+        self.role, self.weights = "both", None  # an async run's routes of the weights (async_roles.WeightsRoutes)
         self.weights_version = 0  # an async rollout rank's engine: the policy version it holds
         self.started_ahead = []  # an async rollout rank's next batches, started early (async_roles.StartedBatch)
         if cfg.train.mode == "async":
-            self.role, self.weights_group = take_async_role(cfg.rollout.ranks)
+            self.role, self.weights = take_async_role(cfg.rollout.ranks, cfg.train.partial_rollouts)
             self.rank, self.world_size = rank(), world_size()
             torch.manual_seed(cfg.train.seed + self.rank)  # a role's rank k samples as a sync run's rank k
         generates, trains = self.role != "trainer", self.role != "rollout"
@@ -158,8 +158,8 @@ class SPMDTrainer:
         streams = rng_state()
         self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer)) if generates else None
         if self.role == "trainer":  # its "engine" is the rollout ranks, reached by broadcast
-            self.engine = RolloutRanks(self.weights_group, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights,
-                                       cfg.rollout.ranks)
+            self.engine = RolloutRanks(self.weights, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights,
+                                       self.policy_weights)
         set_rng_state(streams)
         self.kl_controller = kl_controller(cfg)
         self.return_stats = None

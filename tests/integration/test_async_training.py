@@ -209,11 +209,11 @@ def test_partial_rollouts_send_each_rollout_rank_its_weights_whatever_its_peers_
     assert "first passes [1, 3]; resends [1, 3]; deliveries [(1, [1]), (1, [2]), (2, [1]), (2, [2]), (3, [2]), (3, [1])]" in out, out[-3000:]
 
 
-def by_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
+def by_rank(launcher: psutil.Process, rank: int, program: str = "vlrft.cli") -> psutil.Process:
     """The process of global rank `rank` among torchrun's children."""
     for child in launcher.children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "vlrft.cli" in " ".join(child.cmdline()):
+            if child.environ().get("RANK") == str(rank) and program in " ".join(child.cmdline()):
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -348,6 +348,53 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial
     assert f"at step {stopped_at}" in out
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_a_stop_that_two_rollout_ranks_meet_at_different_points_ends_every_rank_cleanly(tiny_text, addition_data,
+                                                                                     tmp_path):
+    """Partial rollouts on two rollout ranks; rollout rank 2 decodes slowly, and SIGTERM goes to
+    trainer rank 0 alone. It stops after its step without sending that step's weights, and
+    rollout rank 1 meets the stop at its next wait while rank 2 is still decoding its batch.
+    Rank 1 used to stop there while rank 2 went on into a collective of the rollout ranks
+    (drawing the next prompts, dynamic sampling's), which then failed ("Connection closed by
+    peer"; on NCCL it would hang): the rollout ranks stop together now. The rerun resumes."""
+    import signal
+    import time
+
+    (tmp_path / "recipe.py").write_text(RECIPE)
+    config = {
+        "model": {"path": tiny_text},
+        "data": {"train_path": str(addition_data / "train.jsonl")},
+        "rollout": {"rollout_prompts": 4, "n_samples_per_prompt": 4, "max_new_tokens": 16, "ranks": 2,
+                    "dynamic_sampling": True},
+        "train": {"total_steps": 8, "lr": 1e-2, "micro_batch_tokens": 400, "mode": "async", "max_staleness": 2,
+                  "partial_rollouts": True},
+        "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
+        "eval": {"every_steps": 0},
+        "checkpoint": {"save_steps": 0},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "slow").touch()
+    env = {**ENV, "PYTHONPATH": str(Path(__file__).parents[2]), "SLOW_RANK": "2", "SLOW_S": "0.25",
+           "SLOW_FLAG": str(tmp_path / "slow"), "UPDATE_DELAY_S": "1.5"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           str(Path(__file__).with_name("slow_rollout_launch.py")), "train", str(path)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.is_file() and '"step": 2' in metrics.read_text()):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.1)
+    by_rank(psutil.Process(proc.pid), 0, "slow_rollout_launch.py").send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert "stopped by signal SIGTERM after step" in out, out[-4000:]
+    # Each rank ended by itself, on the stop (143: the signal's exit status; torchrun lists every rank).
+    assert "Connection closed" not in out and sorted(set(re.findall(r"exitcode\s*:\s*(-?\d+)", out))) == ["143"], out[-4000:]
+    (tmp_path / "slow").unlink()
+    out = finish(launch(path, ranks=3))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == list(range(1, 9))  # each step once
 
 
 def kill_after_checkpoint_of(proc, checkpoint: Path, rank: int) -> list[psutil.Process]:

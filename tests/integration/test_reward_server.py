@@ -25,6 +25,7 @@ from vlrft.rewards import wire
 from vlrft.rewards.remote import RemoteRewardError, remote_reward
 from vlrft.rewards.server_checks import TOKEN_ENV
 from tests.marks import needs_sandbox
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -58,12 +59,6 @@ def in_flight(completions, samples):
         _in_flight[0] -= 1
         return [float(_in_flight[1])] * len(completions)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(**extra) -> dict:

@@ -3,7 +3,6 @@ Qwen3-VL on image and video prompts, and the Qwen2 text model."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,18 +10,13 @@ import pytest
 import torch
 import yaml
 
+from tests.ports import free_port  # noqa: F401 - imported from here by other tests
 from vlrft.models.loader import load_model, vision_tower
 
 pytestmark = pytest.mark.integration
 
 # Rewards that vary within a group even for an untrained model, so advantages are non-zero.
 RECIPE = "def distinct_chars(completions, samples):\n    return [len(set(c)) / 10 for c in completions]\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(config_path, tmp_path):

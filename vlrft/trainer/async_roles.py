@@ -221,6 +221,10 @@ class RolloutRanks:
         pass
 
 
+class StoppedMidBatch(Exception):
+    """The trainers stopped while a rollout rank with peers waited mid-batch for a version."""
+
+
 @dataclass
 class StartedBatch:
     """A step's first sampling round, started by the rollout rank during an earlier step, while
@@ -294,6 +298,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             if cfg.train.ema_beta > 0 and version > 0:  # the trainers send the policy EMA after this version: it is evaluated
                 live = list(trainer.engine.named_weights())
                 receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine, header=EMA_HEADER)
+            stop_if_a_peer_stopped()
             metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
             if live is not None:
                 trainer.engine.update_weights(live)
@@ -303,10 +308,23 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
 
     board = VersionBoard()
 
-    def stop_if_the_trainers_stopped() -> None:
+    def stopped(step: int) -> TrainingStopped:
+        return TrainingStopped(step, checkpoint_dir(trainer.out_dir, step), trainer.stop_signal or signal.SIGTERM)
+
+    # The rollout ranks stop together, so that none is left inside a collective of theirs that
+    # a stopped peer never joins. A rank that meets the trainers' stop at a wait joins one
+    # all-reduce, which its peers meet at their own next wait or before their next collectives
+    # (a batch's, an evaluation's); a rank may stop mid-batch only when it is the only one.
+    def stop_if_the_trainers_stopped() -> None:  # at a wait for the trainers: nothing more comes
         step = board.stopped_after()
         if step:
-            raise TrainingStopped(step, checkpoint_dir(trainer.out_dir, step), trainer.stop_signal or signal.SIGTERM)
+            all_reduce_max_int(step)
+            raise stopped(step)
+
+    def stop_if_a_peer_stopped() -> None:
+        step = all_reduce_max_int(0)
+        if step:
+            raise stopped(step)
 
     sent, sent_step = 0, trainer.global_step  # batches sent to the trainer; the step of the last
 
@@ -321,10 +339,11 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             stop_if_the_trainers_stopped()
             if trainer.maker.between_turns is None or not trainer.maker.between_turns():  # (the next batch goes on)
                 time.sleep(POLL_S)
+        stop_if_the_trainers_stopped()  # (they would never receive the next batch: they may be gone)
         if pending is not None:
             pending.wait()
 
-    def next_version() -> None:
+    def next_version(stop_if_the_trainers_stopped=stop_if_the_trainers_stopped) -> None:
         nonlocal version
         version = take_version(trainer, board, version + 1, stop_if_the_trainers_stopped)
         evaluate_if_due()
@@ -332,15 +351,24 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
     if cfg.train.partial_rollouts:
 
         looked = 0.0  # when new_weights last looked at the store
+        stop_seen = False  # several rollout ranks: the trainers stopped while this batch decoded
+
+        def note_the_stop() -> None:
+            if board.stopped_after():
+                raise StoppedMidBatch
 
         def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
-            nonlocal taken_mid_batch, looked
-            if time.monotonic() - looked < WEIGHTS_POLL_S:
+            nonlocal taken_mid_batch, looked, stop_seen
+            if stop_seen or time.monotonic() - looked < WEIGHTS_POLL_S:
                 return False
             looked = time.monotonic()
             took = False
             while version < board.newest() and takes_mid_batch(version + 1, rollout_ranks, every, total, trainer.eval_sources):
-                next_version()
+                try:
+                    next_version(stop_if_the_trainers_stopped if rollout_ranks == 1 else note_the_stop)
+                except StoppedMidBatch:  # the batch ends with the weights it has; the stop is met at the next wait
+                    stop_seen = True
+                    break
                 taken_mid_batch += 1
                 took = True
             return took
@@ -357,6 +385,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         while version < needed_version(step, cfg.train.max_staleness):
             next_version()
         waited = time.perf_counter() - waited
+        stop_if_a_peer_stopped()
         trainer.begin_step()
         ahead = next((batch for batch in trainer.started_ahead if batch.step == step), None)
         started_at, taken_mid_batch = version if ahead is None else ahead.version, 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import NoReturn
 
@@ -76,6 +77,10 @@ def run_training(cfg) -> int:
         history = trainer.train()
     except TrainingStopped as stopped:
         watch.stop()
+        watch.linger()  # until the other ranks have stopped too
+        # What is left is the exit. The first rank to exit makes torchrun send the others
+        # SIGTERM, which would kill a rank that had a signal already (its handler is gone).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if trainer.writes_output:
             print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
         shutdown_distributed()

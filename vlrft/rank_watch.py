@@ -29,6 +29,11 @@ ACK_WAIT_S = 5.0
 # rank then exits first, and torchrun names the first rank to exit as the root cause.
 LINGER_S = 2.0
 STOPPED_EXIT_CODE = 1
+# After a stop on a signal, how long a rank waits for its peers to end their own stop before
+# it exits anyway (a rollout rank finishes the batch in flight first), and how long a peer's
+# silent heartbeat means it is gone instead.
+LINGER_LIMIT_S = 600.0
+GONE_AFTER_S = 5.0
 
 
 def next_watched(rank: int, world: int, finished: set[int]) -> int | None:
@@ -189,6 +194,32 @@ class RankWatch:
                 self.store.add(self._key(f"finished/{self.rank}"), 1)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 pass
+
+
+    def running_peers(self, silence: Silence, now: float) -> set[int]:
+        """The peers that have neither stopped their watch nor gone silent for GONE_AFTER_S
+        (`silence`: the heartbeats seen so far, by this rank's clock)."""
+        running = set()
+        for peer in set(range(self.world)) - {self.rank}:
+            if self.store.add(self._key(f"finished/{peer}"), 0) > 0:
+                continue
+            if silence.heard(peer, self.store.add(self._key(f"heartbeat/{peer}"), 0), now) < GONE_AFTER_S:
+                running.add(peer)
+        return running
+
+    def linger(self, limit_s: float = LINGER_LIMIT_S) -> None:
+        """After `stop` on a signal: wait until no peer is running (`running_peers`), for
+        `limit_s` at most. Each rank's exit makes torchrun end the others, so a rank that left
+        first would cut short a peer that is still stopping: an asynchronous run's rollout
+        ranks finish their batch in flight and meet in an all-reduce before they stop."""
+        if not self.active or self.store_lost:
+            return
+        silence, start = Silence(), time.monotonic()
+        try:
+            while self.running_peers(silence, time.monotonic()) and time.monotonic() - start < limit_s:
+                time.sleep(TICK_S / 4)
+        except Exception:  # noqa: BLE001 - the store is gone: so is whoever hosted it
+            pass
 
 
 def start_rank_watch(timeout_s: float) -> RankWatch:

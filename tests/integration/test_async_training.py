@@ -350,14 +350,19 @@ def test_sigterm_stops_both_roles_after_a_checkpoint_and_the_run_resumes(partial
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4, 5]
 
 
-def test_a_stop_that_two_rollout_ranks_meet_at_different_points_ends_every_rank_cleanly(tiny_text, addition_data,
-                                                                                     tmp_path):
-    """Partial rollouts on two rollout ranks; rollout rank 2 decodes slowly, and SIGTERM goes to
-    trainer rank 0 alone. It stops after its step without sending that step's weights, and
-    rollout rank 1 meets the stop at its next wait while rank 2 is still decoding its batch.
-    Rank 1 used to stop there while rank 2 went on into a collective of the rollout ranks
-    (drawing the next prompts, dynamic sampling's), which then failed ("Connection closed by
-    peer"; on NCCL it would hang): the rollout ranks stop together now. The rerun resumes."""
+# SIGTERM to one process: trainer rank 0, or the slow rollout rank 2 (its signal travels with
+# its batch; the trainers stop after that step).
+@pytest.mark.parametrize("signalled", [0, 2])
+def test_a_stop_that_two_rollout_ranks_meet_at_different_points_ends_every_rank_cleanly(signalled, tiny_text,
+                                                                                     addition_data, tmp_path):
+    """Partial rollouts on two rollout ranks; rollout rank 2 decodes slowly. The trainers stop
+    after a step without sending its weights, and rollout rank 1 meets the stop at its next wait
+    while rank 2 is still decoding its batch. Rank 1 used to stop there while rank 2 went on
+    into a collective of the rollout ranks (drawing the next prompts, dynamic sampling's), which
+    then failed ("Connection closed by peer"; on NCCL it would hang): the rollout ranks stop
+    together now. And no rank exits before the others have stopped: the first exit makes
+    torchrun end the rest (a second SIGTERM kills a rank that had one), which cut rank 2's stop
+    short. The rerun resumes."""
     import signal
     import time
 
@@ -386,7 +391,7 @@ def test_a_stop_that_two_rollout_ranks_meet_at_different_points_ends_every_rank_
     while not (metrics.is_file() and '"step": 2' in metrics.read_text()):
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.1)
-    by_rank(psutil.Process(proc.pid), 0, "slow_rollout_launch.py").send_signal(signal.SIGTERM)
+    by_rank(psutil.Process(proc.pid), signalled, "slow_rollout_launch.py").send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert "stopped by signal SIGTERM after step" in out, out[-4000:]
     # Each rank ended by itself, on the stop (143: the signal's exit status; torchrun lists every rank).

@@ -107,6 +107,24 @@ def test_a_rank_that_finished_cleanly_is_not_dead_and_its_watcher_moves_on():
     assert r0.tick(25.0) == ("rank 2 has not been heard from for 5 s (killed?)", True)
 
 
+def test_a_stopped_rank_lingers_until_each_peer_has_stopped_or_gone_silent():
+    store = MemoryStore()
+    r0, r1, r2 = watches(store, 3)
+    for watch in (r0, r1, r2):
+        watch.tick(0.0)
+    r0.stop()
+    silence = Silence()
+    assert r0.running_peers(silence, 0.0) == {1, 2}
+    for now in range(1, 5):  # rank 1 still stopping (its heartbeat moves), rank 2 killed
+        r1.tick(float(now))
+        assert r0.running_peers(silence, float(now)) == {1, 2}
+    r1.tick(5.0)
+    assert r0.running_peers(silence, 5.0) == {1}  # rank 2 silent for GONE_AFTER_S: gone
+    r1.stop()
+    assert r0.running_peers(silence, 6.0) == set()
+    r0.linger(limit_s=1.0)  # returns at once: nobody is running
+
+
 def test_a_store_that_stops_answering_counts_as_a_silent_peer():
     store = MemoryStore()
     (r0, r1) = watches(store, 2, timeout_s=10.0)

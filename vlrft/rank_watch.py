@@ -195,7 +195,6 @@ class RankWatch:
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 pass
 
-
     def running_peers(self, silence: Silence, now: float) -> set[int]:
         """The peers that have neither stopped their watch nor gone silent for GONE_AFTER_S
         (`silence`: the heartbeats seen so far, by this rank's clock)."""

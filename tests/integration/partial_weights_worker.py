@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from vlrft.distributed import VersionBoard, all_reduce_sum, exit_process, global_rank, init_distributed
-from vlrft.trainer.async_roles import RolloutRanks, take_async_role, take_version
+from vlrft.trainer.weights_delivery import RolloutRanks, take_async_role, take_version
 
 
 class RecordingEngine:  # test double: what an engine's update_weights was handed

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import vlrft.engines.hf_engine as hf_engine
-from vlrft.trainer.async_roles import RolloutRanks
+from vlrft.trainer.weights_delivery import RolloutRanks
 
 rank = os.environ["RANK"]
 if rank == os.environ["SLOW_RANK"]:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from vlrft.trainer.async_roles import needed_version, role_ranks, sources_of, staleness, takes_while_waiting, trainer_of
+from vlrft.trainer.async_roles import needed_version, sources_of, staleness, takes_while_waiting, trainer_of
+from vlrft.trainer.weights_delivery import role_ranks
 
 
 @pytest.mark.parametrize("step, max_staleness, version", [

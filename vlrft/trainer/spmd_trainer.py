@@ -70,14 +70,8 @@ from vlrft.distributed import (
     rank,
     world_size,
 )
-from vlrft.trainer.async_roles import (
-    WEIGHTS_SOURCE,
-    RolloutRanks,
-    evaluation_due,
-    resume_rollout_rank,
-    run_role,
-    take_async_role,
-)
+from vlrft.trainer.async_roles import evaluation_due, resume_rollout_rank, run_role
+from vlrft.trainer.weights_delivery import WEIGHTS_SOURCE, RolloutRanks, take_async_role
 from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.guards import RunGuards
@@ -114,7 +108,7 @@ class SPMDTrainer:
             discard_after(self.out_dir, start_step, evaluation_at_step=cfg.train.mode == "async")
         # Asynchronous training: this rank generates or trains, and from here on its rank and
         # world are those of its role (trainer/async_roles.py).
-        self.role, self.weights = "both", None  # an async run's routes of the weights (async_roles.WeightsRoutes)
+        self.role, self.weights = "both", None  # an async run's routes of the weights (weights_delivery.WeightsRoutes)
         self.weights_version = 0  # an async rollout rank's engine: the policy version it holds
         self.started_ahead = []  # an async rollout rank's next batches, started early (async_roles.StartedBatch)
         if cfg.train.mode == "async":

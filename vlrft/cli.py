@@ -89,6 +89,8 @@ def run_training(cfg) -> int:
         watch.fail(f"vlrft: error: {err}", f"rank {watch.rank} failed with {type(err).__name__} (its message is above)")
         return 2
     except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks
+        if is_out_of_memory(err):
+            err.add_note(out_of_memory_note(cfg))  # (printed under the traceback)
         if not watch.active:  # no other ranks: the exception goes on as it would (in-process callers see it)
             raise
         watch.fail(traceback.format_exc().rstrip(), f"rank {watch.rank} failed with {type(err).__name__} (its traceback is above)")
@@ -104,6 +106,29 @@ def run_training(cfg) -> int:
             print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
     shutdown_distributed()
     return 0
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError)
+
+
+def out_of_memory_note(cfg) -> str:
+    """What to change after a GPU out-of-memory error, cheapest first, each with its value now
+    (the levers already pulled left out)."""
+    levers = []
+    if not cfg.model.gradient_checkpointing:
+        levers.append("model.gradient_checkpointing=true")
+    levers.append(f"a smaller train.micro_batch_tokens (now {cfg.train.micro_batch_tokens})")
+    if cfg.train.zero_stage < 3:
+        levers.append(f"train.zero_stage=3 (now {cfg.train.zero_stage})")
+    if cfg.train.offload == "none":
+        levers.append("train.offload=optimizer")
+    if cfg.rollout.engine == "vllm":
+        levers.append(f"a smaller rollout.vllm_memory_fraction (now {cfg.rollout.vllm_memory_fraction})")
+    return ("vlrft: this rank ran out of GPU memory (where: the traceback above). To fit, in this order: "
+            + "; ".join(levers) + ". What fits which GPUs: docs/scaling.md, \"What fits\".")
 
 
 def entry() -> NoReturn:

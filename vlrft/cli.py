@@ -71,7 +71,7 @@ def run_training(cfg) -> int:
     from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
     init_distributed()  # here as well as in the trainer: the watch covers building it too
-    watch = start_rank_watch(cfg.guards.peer_timeout_s)
+    watch = start_rank_watch(cfg.guards.peer_timeout_s, cfg.guards.stall_timeout_s)
     try:
         trainer = SPMDTrainer(cfg)
         history = trainer.train()

@@ -131,11 +131,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'checkpoint.save_steps' must be >= 0 (0 = only on a signal), got {cfg.checkpoint.save_steps}")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"config key 'checkpoint.keep_last' must be >= 1, got {cfg.checkpoint.keep_last}")
-    for key in ("sync_max_logprob_gap", "step_reward_budget_s", "component_patience", "memory_window"):
+    for key in ("sync_max_logprob_gap", "step_reward_budget_s", "component_patience", "memory_window",
+                "peer_timeout_s", "stall_timeout_s"):
         if getattr(cfg.guards, key) < 0:
             raise ConfigError(f"config key 'guards.{key}' must be >= 0 (0 = off), got {getattr(cfg.guards, key)}")
-    if cfg.guards.peer_timeout_s < 0:
-        raise ConfigError(f"config key 'guards.peer_timeout_s' must be >= 0 (0 = off), got {cfg.guards.peer_timeout_s}")
     if cfg.trajectory.save_every < 0:
         raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
     if not 0 < cfg.rollout.vllm_memory_fraction <= 1:

@@ -12,6 +12,12 @@ the ring finds every death with O(1) store calls per rank and tick (all-to-all w
 on the one store). A peer is dead when its counter has not moved for `timeout_s` by this rank's
 own monotonic clock (nodes' clocks are never compared); the store is dead when it has not
 answered for as long. The rank that finds a death records it, so every rank stops with one line.
+
+A rank can also hang alive: its heartbeat goes on while its main thread waits in a collective a
+peer never joins, or on the store for weights that never come. Each rank publishes the phase its
+loop is in (vlrft/progress.py) whenever it changes, and stops the run when its own phase has
+lasted `stall_timeout_s`, with its main thread's Python stack. The rank that finds a death or a
+stall prints where every rank was, one line per phase.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import os
 import sys
 import threading
 import time
+import traceback
+
+from vlrft import progress
 
 TICK_S = 1.0
 # How long a failing rank waits for its peers to read its record before it exits: when it hosts
@@ -63,8 +72,12 @@ class RankWatch:
     """This rank's watch over its peers. `store` None: off (a world of one, or timeout 0); `fail`
     then only prints."""
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, prefix: str = "vlrft/rank_watch/"):
+    def __init__(self, store, rank: int, world: int, timeout_s: float, prefix: str = "vlrft/rank_watch/",
+                 stall_timeout_s: float = 0.0):
         self.store, self.rank, self.world, self.timeout_s, self.prefix = store, rank, world, timeout_s, prefix
+        self.stall_timeout_s = stall_timeout_s  # 0: off
+        self.published: progress.Phase | None = None  # the phase the store holds for this rank
+        self.stalled = False  # this rank's own phase outlived stall_timeout_s
         self.silence = Silence()
         self.finished: set[int] = set()  # ranks that stopped their watch cleanly
         self.last_answer: float | None = None  # when the store last answered
@@ -105,6 +118,10 @@ class RankWatch:
     def _read(self, now: float) -> tuple[str | None, bool]:
         store = self.store
         store.add(self._key(f"heartbeat/{self.rank}"), 1)
+        phase = progress.current()
+        if phase is not self.published:
+            store.set(self._key(f"phase/{self.rank}"), f"{phase.wall}\t{phase.name}")
+            self.published = phase
         failed = store.add(self._key("failures"), 0) > 0
         peer = next_watched(self.rank, self.world, self.finished)
         while peer is not None and store.add(self._key(f"finished/{peer}"), 0) > 0:
@@ -118,7 +135,31 @@ class RankWatch:
         silent = self.silence.heard(peer, count, now) if peer is not None else 0.0
         if silent >= self.timeout_s:
             return f"rank {peer} has not been heard from for {silent:.0f} s (killed?)", True
+        lasted = now - phase.since
+        if self.stall_timeout_s and lasted >= self.stall_timeout_s:
+            self.stalled = True
+            return (f"rank {self.rank} has been in '{phase.name}' for {lasted:.0f} s (guards.stall_timeout_s: "
+                    f"{self.stall_timeout_s:g})"), True
         return None, False
+
+    def where_report(self) -> str:
+        """Where every rank was, as each last published it: one line per phase, the oldest first."""
+        since: dict[str, list[float]] = {}
+        ranks: dict[str, list[int]] = {}
+        try:
+            for peer in range(self.world):
+                key = self._key(f"phase/{peer}")
+                wall, name = self.store.get(key).decode().split("\t", 1) if self.store.check([key]) else ("inf", "not started")
+                since.setdefault(name, []).append(float(wall))
+                ranks.setdefault(name, []).append(peer)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to report
+            return "vlrft: where each rank was: unknown (the store did not answer)"
+        lines = ["vlrft: where each rank was (the phase it last entered; since, by its own clock):"]
+        for name in sorted(since, key=lambda n: min(since[n])):
+            first = min(since[name])
+            when = f"  since {time.strftime('%H:%M:%S', time.localtime(first))}" if first != float("inf") else ""
+            lines.append(f"  {name}: {rank_ranges(ranks[name])}{when}")
+        return "\n".join(lines)
 
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -135,9 +176,16 @@ class RankWatch:
         with self._lock:
             if self._stop.is_set():
                 return
+            # Ranks stuck in one collective entered its phase together and may find their stall
+            # at the same tick: the first to claim the report writes it, the others stop as readers.
+            found_here = found_here and self._claim_report()
             print(f"vlrft: rank {self.rank} stops: {reason}", file=sys.stderr, flush=True)
             if found_here:
-                self._record(reason, expected=self.world - 1)  # the dead rank never reads it
+                print(self.where_report(), file=sys.stderr, flush=True)
+                if self.stalled:  # where in the code it waits
+                    print(f"rank {self.rank}'s main thread (most recent call last):", file=sys.stderr)
+                    traceback.print_stack(sys._current_frames()[threading.main_thread().ident], file=sys.stderr)
+                self._record(reason, expected=self.world - 1)  # a dead rank never reads it
             elif not self.store_lost:
                 self._settle()
                 time.sleep(LINGER_S)
@@ -147,6 +195,12 @@ class RankWatch:
             # the main thread may sit in a collective that never returns; atexit handlers and
             # the process group's destruction could block on the dead peer the same way.
             os._exit(STOPPED_EXIT_CODE)
+
+    def _claim_report(self) -> bool:
+        try:
+            return self.store.add(self._key("reporter"), 1) == 1
+        except Exception:  # noqa: BLE001 - the store is gone: nobody else can report either
+            return True
 
     def _settle(self) -> None:
         """Tell a failing rank that this one has read its record (or failed itself)."""
@@ -221,9 +275,22 @@ class RankWatch:
             pass
 
 
-def start_rank_watch(timeout_s: float) -> RankWatch:
-    """Watch this rank's peers (guards.peer_timeout_s; 0 = off). Call once the process group
-    exists; in a world of one the watch is off."""
+def rank_ranges(ranks: list[int]) -> str:
+    """`[0, 1, 2, 5]` -> "ranks 0-2, 5"; `[3]` -> "rank 3"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def start_rank_watch(timeout_s: float, stall_timeout_s: float = 0.0) -> RankWatch:
+    """Watch this rank's peers (guards.peer_timeout_s; 0 = off) and its own progress
+    (guards.stall_timeout_s; 0 = off). Call once the process group exists; in a world of one
+    the watch is off."""
     from vlrft.distributed import rank, watch_store, world_size
 
     if world_size() == 1 or timeout_s <= 0:
@@ -231,4 +298,4 @@ def start_rank_watch(timeout_s: float) -> RankWatch:
     # torchrun's store outlives a restart of the workers: the keys of a failed attempt must not
     # stop the next one.
     prefix = f"vlrft/rank_watch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return RankWatch(watch_store(timeout_s), rank(), world_size(), timeout_s, prefix).start()
+    return RankWatch(watch_store(timeout_s), rank(), world_size(), timeout_s, prefix, stall_timeout_s).start()

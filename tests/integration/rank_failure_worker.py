@@ -5,6 +5,8 @@ update rank FAIL_RANK fails, after writing the time (time.time()) to FAIL_MARK:
   same update, wait forever outside any collective. Inside a gloo collective they would notice
   the closed connection at once and fail themselves, which would hide whether the watch works;
   NCCL never notices, nor does a rank busy with rank-local work (rank 0 writing a checkpoint);
+- FAIL_MODE=hang: it blocks forever, alive (its rank watch goes on), and the other ranks
+  wait in the update's first collective;
 - FAIL_MODE=none: nothing fails.
 vlrft itself never reads these variables.
 Usage: rank_failure_worker.py train CONFIG (under torchrun, or with RANK, WORLD_SIZE, ... set)"""
@@ -33,6 +35,8 @@ def main() -> int:
                 Path(os.environ["FAIL_MARK"]).write_text(repr(time.time()))
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if mode == "hang":
+                    threading.Event().wait()
                 raise ValueError(f"injected failure on rank {fail_rank} at step {fail_step}")
             if mode == "kill":
                 threading.Event().wait()

@@ -3,11 +3,13 @@
 A rank that raises at step 2 ends every rank within seconds, under torchrun and without it (the
 raising rank then hosts the store); its message appears once and each other rank adds one line.
 A rank SIGKILLed at step 2 ends the other one within guards.peer_timeout_s: these runs start
-the two processes without torchrun, whose agent would end the survivor itself. Times are
+the two processes without torchrun, whose agent would end the survivor itself. A rank that
+hangs alive at step 2 ends both within guards.stall_timeout_s, saying where each was. Times are
 measured from the failure (the worker writes it down) to the end of the last process.
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +26,8 @@ WORKER = Path(__file__).with_name("rank_failure_worker.py")
 PEER_TIMEOUT_S = 10.0  # for the kill runs: short, but far above a starved heartbeat thread's gap here
 
 
-def write_config(root: Path, model: str, data: Path, peer_timeout_s: float = 60.0, save_every: int = 0) -> Path:
+def write_config(root: Path, model: str, data: Path, peer_timeout_s: float = 60.0, save_every: int = 0,
+                 stall_timeout_s: float = 1800.0) -> Path:
     (root / "recipe.py").write_text(RECIPE)
     config = {
         "model": {"path": model},
@@ -34,7 +37,7 @@ def write_config(root: Path, model: str, data: Path, peer_timeout_s: float = 60.
         "reward": {"default": [{"recipe": "recipe.py:distinct_chars"}]},
         "eval": {"every_steps": 0},
         "trajectory": {"save_every": save_every},
-        "guards": {"peer_timeout_s": peer_timeout_s},
+        "guards": {"peer_timeout_s": peer_timeout_s, "stall_timeout_s": stall_timeout_s},
         "output": {"dir": str(root / "run")},
     }
     path = root / "cfg.yaml"
@@ -121,6 +124,35 @@ def test_a_killed_rank_ends_the_other_within_the_peer_timeout(killed, line, tiny
     assert codes[killed] == -9 and codes[1 - killed] == 1, out[-4000:]
     assert PEER_TIMEOUT_S - 2 <= seconds < PEER_TIMEOUT_S + 30, out[-4000:]  # the timeout, not gloo, ended it
     assert out.count(line) == 1, out[-4000:]
+    if killed == 1:  # the survivor found it, and says where each rank was (the dead one: as it last
+        # published it, up to a tick before its death: here it died within a second of starting)
+        assert "vlrft: where each rank was (the phase it last entered; since, by its own clock):\n" in out, out[-4000:]
+        assert re.search(r"\n  step 2: update: ranks? 0(-1)?  since ", out), out[-4000:]
+
+
+STALL_TIMEOUT_S = 30.0  # above any phase of these runs on a loaded machine (building the trainer: ~5 s)
+
+
+def test_a_rank_that_hangs_alive_ends_every_rank_after_the_stall_timeout_saying_where(tiny_text, addition_data, tmp_path):
+    """Rank 1 blocks forever at the start of step 2's update, its heartbeat going on; rank 0 waits
+    in the update's first collective. Without the stall guard both would wait 60 minutes."""
+    config = write_config(tmp_path, tiny_text, addition_data, stall_timeout_s=STALL_TIMEOUT_S)
+    (code,), out, seconds = torchrun(tmp_path, config, 1, "hang")
+    assert (tmp_path / "failed_at").is_file(), out[-4000:]
+    print(f"both ranks ended {seconds:.1f} s after the hang")
+    assert code != 0
+    assert STALL_TIMEOUT_S - 2 <= seconds < STALL_TIMEOUT_S + 30, out[-4000:]
+    # Both ranks entered the phase together: either may find the stall first, or both at one tick
+    stops = re.findall(r"vlrft: rank (\d) stops: rank (\d) has been in 'step 2: update' for (\d+) s "
+                       r"\(guards.stall_timeout_s: 30\)", out)
+    assert sorted(stop[0] for stop in stops) == ["0", "1"], out[-4000:]  # each rank says why it stops
+    # one report, by the rank that claimed it, with its main thread's stack
+    assert out.count("vlrft: where each rank was") == 1, out[-4000:]
+    assert "vlrft: where each rank was (the phase it last entered; since, by its own clock):\n" \
+           "  step 2: update: ranks 0-1  since " in out, out[-4000:]
+    assert len(re.findall(r"rank \d's main thread \(most recent call last\):", out)) == 1, out[-4000:]
+    stack = out[out.index("main thread (most recent call last):"):]
+    assert "in policy_update" in stack, out[-4000:]  # where it waits, in the code
 
 
 def test_a_clean_run_with_a_short_peer_timeout_finishes_with_code_0(tiny_text, addition_data, tmp_path):

@@ -2,11 +2,13 @@
 and a made-up clock: no processes, threads or sleeps. The 2-rank runs are in
 tests/integration/test_rank_failure.py."""
 
+import time
+
 import pytest
 
-from vlrft import rank_watch
+from vlrft import progress, rank_watch
 from vlrft.config import ConfigError, load_config
-from vlrft.rank_watch import RankWatch, Silence, next_watched
+from vlrft.rank_watch import RankWatch, Silence, next_watched, rank_ranges
 
 
 class MemoryStore:
@@ -33,6 +35,10 @@ class MemoryStore:
     def get(self, key):
         self._check()
         return self.values[key]
+
+    def check(self, keys):
+        self._check()
+        return all(key in self.values for key in keys)
 
 
 def watches(store, world, timeout_s=60.0):
@@ -157,7 +163,123 @@ def test_off_in_a_world_of_one_fail_only_prints(capsys):
     assert capsys.readouterr().err == "vlrft: error: disk full\n"
 
 
-def test_peer_timeout_must_not_be_negative(tmp_path):
-    (tmp_path / "c.yaml").write_text("model: {path: m}\ndata: {train_path: t.jsonl}\nguards: {peer_timeout_s: -1}\n")
-    with pytest.raises(ConfigError, match=r"^config key 'guards.peer_timeout_s' must be >= 0 \(0 = off\), got -1"):
+@pytest.mark.parametrize("key", ["peer_timeout_s", "stall_timeout_s"])
+def test_the_watch_timeouts_must_not_be_negative(key, tmp_path):
+    (tmp_path / "c.yaml").write_text(f"model: {{path: m}}\ndata: {{train_path: t.jsonl}}\nguards: {{{key}: -1}}\n")
+    with pytest.raises(ConfigError, match=rf"^config key 'guards.{key}' must be >= 0 \(0 = off\), got -1"):
         load_config(str(tmp_path / "c.yaml"))
+
+
+def in_phase(monkeypatch, name: str, since: float, wall: float = 0.0) -> None:
+    """This process's main thread entered `name` at `since` (the made-up clock of the ticks)."""
+    monkeypatch.setattr(progress, "_current", progress.Phase(name, since, wall))
+
+
+def test_a_phase_that_outlasts_the_stall_timeout_stops_the_run_naming_the_rank_and_the_phase(monkeypatch):
+    store = MemoryStore()
+    r0, r1 = (RankWatch(store, r, 2, 60.0, stall_timeout_s=30.0) for r in range(2))
+    update, sync = progress.Phase("step 3: update", 100.0, 0.0), progress.Phase("step 3: weight sync", 120.0, 0.0)
+
+    def tick(watch, phase, now):  # each rank's own main thread in its own phase
+        monkeypatch.setattr(progress, "_current", phase)
+        return watch.tick(now)
+
+    for now in range(100, 130):  # its peer's heartbeat moves: only the phase's age counts
+        assert tick(r1, update if now < 120 else sync, float(now)) == (None, False)
+        assert tick(r0, update, float(now)) == (None, False)
+    assert tick(r1, sync, 130.0) == (None, False)
+    reason, found_here = tick(r0, update, 130.0)
+    assert reason == "rank 0 has been in 'step 3: update' for 30 s (guards.stall_timeout_s: 30)"
+    assert found_here and r0.stalled and not r1.stalled  # recorded for the others; its stack is printed
+
+
+def test_with_the_stall_timeout_off_a_phase_may_last_forever(monkeypatch):
+    store = MemoryStore()
+    r0, r1 = (RankWatch(store, r, 2, 60.0) for r in range(2))
+    in_phase(monkeypatch, "step 1: generating and scoring", since=0.0)
+    for now in range(0, 100_000, 1000):
+        assert r0.tick(float(now)) == (None, False) and r1.tick(float(now)) == (None, False)
+
+
+def test_each_phase_is_published_once_and_the_report_groups_ranks_oldest_phase_first(monkeypatch):
+    store = MemoryStore()
+    sets = []
+    real_set = store.set
+    monkeypatch.setattr(store, "set", lambda key, value: (sets.append(key), real_set(key, value)))
+    ranks = watches(store, 6)
+    # 12:00:10 and later by each rank's clock (the report prints its wall clock, never compares ages)
+    base = 1_790_000_000.0
+    phases = {rank: progress.Phase(name, since, base + since) for rank, (name, since) in {
+        0: ("step 4: weight sync", 40.0), 1: ("step 4: update", 10.0), 2: ("step 4: weight sync", 41.0),
+        3: ("step 4: weight sync", 42.0), 5: ("step 4: update", 12.0)}.items()}
+    for now in (50.0, 51.0, 52.0):
+        for rank, phase in phases.items():
+            monkeypatch.setattr(progress, "_current", phase)
+            ranks[rank].tick(now)
+    # rank 4 never started its watch; a phase is published when it changes, not every tick
+    assert sorted(sets) == [f"vlrft/rank_watch/phase/{rank}" for rank in phases]
+    when = {s: time.strftime("%H:%M:%S", time.localtime(base + s)) for s in (10.0, 40.0)}
+    assert ranks[0].where_report() == (
+        "vlrft: where each rank was (the phase it last entered; since, by its own clock):\n"
+        f"  step 4: update: ranks 1, 5  since {when[10.0]}\n"
+        f"  step 4: weight sync: ranks 0, 2-3  since {when[40.0]}\n"
+        "  not started: rank 4")
+
+
+def test_a_phase_is_published_again_only_when_the_loop_enters_another(monkeypatch):
+    store = MemoryStore()
+    sets = []
+    real_set = store.set
+    monkeypatch.setattr(store, "set", lambda key, value: (sets.append(key), real_set(key, value)))
+    (r0, _) = watches(store, 2)
+    in_phase(monkeypatch, "step 1: update", since=0.0)
+    for now in range(5):
+        r0.tick(float(now))
+    assert sets == ["vlrft/rank_watch/phase/0"]
+    progress.enter("step 1: weight sync")
+    r0.tick(5.0)
+    assert sets == ["vlrft/rank_watch/phase/0"] * 2
+    assert store.values["vlrft/rank_watch/phase/0"].decode().endswith("\tstep 1: weight sync")
+
+
+def test_a_wait_inside_a_phase_is_named_while_it_lasts_and_counts_as_progress():
+    progress.enter("step 2: generating and scoring")
+    entered = progress.current()
+    with progress.during("taking weights version 2 from trainer rank 0"):
+        assert progress.current().name == "taking weights version 2 from trainer rank 0"
+    assert progress.current().name == "step 2: generating and scoring"
+    assert progress.current().since >= entered.since and progress.current() is not entered
+
+
+def test_a_long_phase_that_advances_is_no_stall(monkeypatch):
+    store = MemoryStore()
+    r0, r1 = (RankWatch(store, r, 2, 60.0, stall_timeout_s=30.0) for r in range(2))
+    clock = [0.0]
+    monkeypatch.setattr(progress, "monotonic", lambda: clock[0])
+    progress.enter("step 1: evaluation")  # at 0
+    for now in range(1, 100):
+        clock[0] = float(now)
+        if now % 20 == 0:
+            progress.advance()  # the engine's next decoding batch
+            assert progress.current().name == "step 1: evaluation"
+        assert r0.tick(float(now)) == (None, False) and r1.tick(float(now)) == (None, False)
+
+
+def test_of_ranks_that_find_a_stop_at_the_same_tick_one_reports(monkeypatch):
+    store = MemoryStore()
+    r0, r1, r2 = watches(store, 3)
+    assert [r1._claim_report(), r0._claim_report(), r2._claim_report()] == [True, False, False]
+    store.gone = True
+    assert r0._claim_report()  # no store: nobody else can, so each reports what it knows
+
+
+def test_a_report_without_a_store_says_so():
+    store = MemoryStore()
+    (r0, _) = watches(store, 2)
+    store.gone = True
+    assert r0.where_report() == "vlrft: where each rank was: unknown (the store did not answer)"
+
+
+def test_rank_ranges_are_compact():
+    assert rank_ranges([3]) == "rank 3"
+    assert rank_ranges([5, 0, 1, 2, 7, 8]) == "ranks 0-2, 5, 7-8"

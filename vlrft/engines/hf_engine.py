@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from transformers import TopPLogitsWarper
 
+from vlrft import progress
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
 from vlrft.models.collate import concat_mm_inputs, gather_responses, mm_token_type_ids
@@ -67,6 +68,7 @@ class HFEngine:
         rollouts = []
         for start in range(0, len(expanded), self.max_batch):
             rollouts += self._generate_batch(expanded[start : start + self.max_batch], params)
+            progress.advance()  # (a large evaluation set is many batches: not a stall)
         return rollouts
 
     def _prompt_positions(self, prompts: list[Prompt], attention_mask: torch.Tensor) -> torch.Tensor:

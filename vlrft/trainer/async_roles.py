@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from vlrft import progress
 from vlrft.distributed import (
     EMA_HEADER,
     all_reduce_max_int,
@@ -40,6 +41,7 @@ from vlrft.distributed import (
 )
 from vlrft.distributed import world_size as role_world_size
 from vlrft.multiturn.in_flight import InFlight
+from vlrft.rank_watch import rank_ranges
 from vlrft.trainer.checkpoint import checkpoint_dir, load_state, rng_state, set_rng_state
 from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
 from vlrft.trainer.dynamic_sampling import draw_prompts, round_seed
@@ -199,6 +201,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         """Until the trainer has received every batch sent (it acknowledges each on the store),
         take the weights it sends meanwhile: with S >= 2 it sends a version before it receives
         the batch, and a rollout rank that waited only for the receipt would deadlock it."""
+        progress.enter(f"step {sent_step}: waiting for trainer rank {destination} to receive the batch")
         while (takes := takes_while_waiting(version, sent_step)) or board.received(global_rank()) < sent:
             if takes and board.newest() > version:
                 next_version()
@@ -308,6 +311,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
     board = VersionBoard()
 
     def receive() -> list[dict]:
+        progress.enter(f"step {trainer.global_step + 1}: waiting for the batch of {rank_ranges(sources)}")
         messages = [recv_object_from(source) for source in sources]
         for source in sources:
             board.acknowledge(source)
@@ -323,6 +327,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
             if evaluation_due(next_evaluation, cfg.eval.every_steps, cfg.train.total_steps, trainer.eval_sources):
                 if not wait and not board.has_evaluation(next_evaluation):
                     return
+                progress.enter(f"waiting for the rollout ranks' evaluation of version {next_evaluation}")
                 metrics = board.evaluation(next_evaluation)
                 trainer.eval_history.append((next_evaluation, metrics["eval/accuracy"]))
                 trainer.logger.log(next_evaluation, metrics)

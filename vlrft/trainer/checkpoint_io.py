@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from vlrft import progress
 from vlrft.config import to_dict
 from vlrft.distributed import barrier, global_rank, global_world_size
 from vlrft.trainer.checkpoint import (
@@ -35,6 +36,7 @@ def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> P
     """Write `trainer`'s current step as a checkpoint (collective over the ranks that train);
     `rollout_states`: the rank files of an async run's rollout ranks this rank writes, by
     global rank. Returns the checkpoint's final path."""
+    progress.enter(f"step {trainer.global_step}: saving a checkpoint")
     temporary = temporary_dir(trainer.out_dir, trainer.global_step)
     if trainer.rank == 0:
         clear_temporaries(trainer.out_dir)

@@ -56,6 +56,7 @@ from vlrft.trainer.build import (
     training_backend,
     update_settings,
 )
+from vlrft import progress
 from vlrft.trainer import checkpoint_io
 from vlrft.trainer.checkpoint_io import TrainingStopped
 from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
@@ -91,6 +92,7 @@ class SPMDTrainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
+        progress.enter("building the trainer (models, engine, data)")
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
         unisolated = sandbox_settings(cfg.sandbox.unsafe_no_isolation)  # before any worker process starts
@@ -277,6 +279,7 @@ class SPMDTrainer:
     def export_final(self) -> None:
         """The trained policy (and its EMA, critic, tokenizer, processor) as HF checkpoints under
         output.dir/final*; closes the metric sinks (every rank that trains)."""
+        progress.enter("saving the final model")
         self._export_policy(self.out_dir / "final")
         exported = [self.out_dir / "final"]
         if self.policy_ema is not None:
@@ -327,6 +330,7 @@ class SPMDTrainer:
         updated = time.perf_counter()
         metrics |= trajectory_metrics(experiences) | self.guards.after_step(generated)
         if self.saver.due(self.global_step, self.cfg.train.total_steps):
+            progress.enter(f"step {self.global_step}: saving trajectories")
             self.saver.save(self.global_step, experiences, [e.correct for e in experiences])
         synced = time.perf_counter()
         self.sync(actor_updated, metrics)
@@ -343,6 +347,7 @@ class SPMDTrainer:
         """The experience pass (logprobs, values, advantages) over `kept`, balanced across the
         ranks and put in the replay buffer. Adds the rollout metrics to `metrics`; returns this
         rank's share."""
+        progress.enter(f"step {self.global_step}: experience pass (logprobs, values, advantages)")
         # A rank whose prompts were all skipped runs a placeholder so it joins every collective.
         placeholder = self.bad_input.placeholder(self.encoder, self.train_rows)
         self.engine.sleep()  # generation is done: the experience pass and update get its memory
@@ -359,6 +364,7 @@ class SPMDTrainer:
     def update(self, experiences: list[Experience], metrics: dict) -> bool:
         """The critic's and the policy's updates over the replay buffer (the policy's from step
         `critic.freeze_actor_steps` + 1). Adds their metrics; returns whether the policy changed."""
+        progress.enter(f"step {self.global_step}: update")
         cfg = self.cfg
         if self.critic is not None:
             metrics |= critic_update(self.critic, self.buffer, self.update_settings, self.image_check)
@@ -381,6 +387,7 @@ class SPMDTrainer:
         """Wake the engine and, when the policy changed, send it the new weights. An async
         trainer sends a version every step, the rollout ranks wait for it: while the actor is
         frozen (`critic.freeze_actor_steps`), a version without tensors (the weights they hold)."""
+        progress.enter(f"step {self.global_step}: weight sync")
         self.engine.wake()
         if actor_updated:
             self._sync_weights()
@@ -390,6 +397,7 @@ class SPMDTrainer:
 
     def collect_experiences(self) -> tuple[list[Experience], list[Experience], dict[str, float]]:
         """This step's prompts, generated and scored: (kept, all generated, metrics)."""
+        progress.enter(f"step {self.global_step}: generating and scoring")
         cache_counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's prefix cache (every rank's engine)
         cache_before = torch.tensor(cache_counts()) if cache_counts else None
         start = time.perf_counter()
@@ -470,6 +478,7 @@ class SPMDTrainer:
 
     def evaluate_engine(self) -> dict[str, float]:
         """Held-out accuracy of the weights the engine serves (every rank that generates)."""
+        progress.enter(f"step {self.global_step}: evaluation")
         return evaluate(self.engine, self.eval_prompts, self.rewards, self.maker.settings, self.eval_sources)
 
     def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:

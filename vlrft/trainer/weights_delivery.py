@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from vlrft import progress
 from vlrft.distributed import (
     EMA_HEADER,
     broadcast_weights,
@@ -148,7 +149,8 @@ def take_version(trainer, board: VersionBoard, version: int, stop_if_the_trainer
             stop_if_the_trainers_stopped()
             time.sleep(POLL_S)
 
-    wait_until(lambda: board.newest() >= version)
-    board.ready(version, global_rank())
-    wait_until(lambda: board.sending(trainer.weights.mine) >= version)
-    return receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine)
+    with progress.during(f"taking weights version {version} from trainer rank 0"):
+        wait_until(lambda: board.newest() >= version)
+        board.ready(version, global_rank())
+        wait_until(lambda: board.sending(trainer.weights.mine) >= version)
+        return receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine)

@@ -66,11 +66,13 @@ def run_training(cfg) -> int:
     which stop within guards.peer_timeout_s (vlrft.rank_watch) instead of waiting in a collective."""
     import traceback
 
+    from vlrft import progress
     from vlrft.distributed import init_distributed, shutdown_distributed
     from vlrft.rank_watch import start_rank_watch
     from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
     init_distributed()  # here as well as in the trainer: the watch covers building it too
+    progress.enter("building the trainer (models, engine, data)")  # (the rendezvous before it may be long)
     watch = start_rank_watch(cfg.guards.peer_timeout_s, cfg.guards.stall_timeout_s)
     try:
         trainer = SPMDTrainer(cfg)

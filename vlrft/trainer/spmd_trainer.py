@@ -92,7 +92,6 @@ class SPMDTrainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
-        progress.enter("building the trainer (models, engine, data)")
         self.cfg = cfg
         self.rank, self.world_size = init_distributed()
         unisolated = sandbox_settings(cfg.sandbox.unsafe_no_isolation)  # before any worker process starts

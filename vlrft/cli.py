@@ -72,7 +72,7 @@ def run_training(cfg) -> int:
     from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
     init_distributed()  # here as well as in the trainer: the watch covers building it too
-    progress.enter("building the trainer (models, engine, data)")  # (the rendezvous before it may be long)
+    progress.enter("building the trainer (models, engine, data)", guarded=False)  # (a download may be long)
     watch = start_rank_watch(cfg.guards.peer_timeout_s, cfg.guards.stall_timeout_s)
     try:
         trainer = SPMDTrainer(cfg)

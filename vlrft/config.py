@@ -293,9 +293,9 @@ class GuardsConfig:
     memory_window: int = 20
     # A rank that has not been heard from for this long is taken as dead: every rank stops.
     peer_timeout_s: float = 60.0
-    # A rank whose loop has been in one phase (generation, the update, a wait for weights, ...)
-    # for this long is taken as hung: every rank stops, saying where each was. Needs the watch
-    # of peer_timeout_s (several ranks).
+    # When no rank has moved to a new phase of its loop (generation, the update, a wait for
+    # weights, ...) for this long, the job is taken as hung: every rank stops, saying where each
+    # was. Needs the watch of peer_timeout_s (several ranks).
     stall_timeout_s: float = 1800.0
 
 

@@ -15,15 +15,19 @@ answered for as long. The rank that finds a death records it, so every rank stop
 
 A rank can also hang alive: its heartbeat goes on while its main thread waits in a collective a
 peer never joins, or on the store for weights that never come. Each rank publishes the phase its
-loop is in (vlrft/progress.py) whenever it changes, and stops the run when its own phase has
-lasted `stall_timeout_s`, with its main thread's Python stack. The rank that finds a death or a
-stall prints where every rank was, one line per phase.
+loop is in (vlrft/progress.py) whenever it changes or advances, and adds one to a job-wide
+count. A rank in a guarded phase that has seen the count stand still for `stall_timeout_s` finds
+the job hung. Waits are not stalls on their own: a rank may wait a long time on another that is
+working (the trainers on a rollout rank's evaluation), and the working one moves the count. The
+rank that finds a death or a stall prints where every rank was, one line per phase, and each
+rank that stops names the line its main thread is at.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -77,7 +81,8 @@ class RankWatch:
         self.store, self.rank, self.world, self.timeout_s, self.prefix = store, rank, world, timeout_s, prefix
         self.stall_timeout_s = stall_timeout_s  # 0: off
         self.published: progress.Phase | None = None  # the phase the store holds for this rank
-        self.stalled = False  # this rank's own phase outlived stall_timeout_s
+        self.job_quiet = Silence()  # the job-wide count of phase changes, by this rank's clock
+        self.stalled = False  # the count stood still for stall_timeout_s
         self.silence = Silence()
         self.finished: set[int] = set()  # ranks that stopped their watch cleanly
         self.last_answer: float | None = None  # when the store last answered
@@ -121,7 +126,10 @@ class RankWatch:
         phase = progress.current()
         if phase is not self.published:
             store.set(self._key(f"phase/{self.rank}"), f"{phase.wall}\t{phase.name}")
+            moves = store.add(self._key("phase_changes"), 1)
             self.published = phase
+        else:
+            moves = store.add(self._key("phase_changes"), 0)
         failed = store.add(self._key("failures"), 0) > 0
         peer = next_watched(self.rank, self.world, self.finished)
         while peer is not None and store.add(self._key(f"finished/{peer}"), 0) > 0:
@@ -135,11 +143,11 @@ class RankWatch:
         silent = self.silence.heard(peer, count, now) if peer is not None else 0.0
         if silent >= self.timeout_s:
             return f"rank {peer} has not been heard from for {silent:.0f} s (killed?)", True
-        lasted = now - phase.since
-        if self.stall_timeout_s and lasted >= self.stall_timeout_s:
+        quiet = self.job_quiet.heard(-1, moves, now)
+        if self.stall_timeout_s and phase.guarded and quiet >= self.stall_timeout_s:
             self.stalled = True
-            return (f"rank {self.rank} has been in '{phase.name}' for {lasted:.0f} s (guards.stall_timeout_s: "
-                    f"{self.stall_timeout_s:g})"), True
+            return (f"no rank has moved to a new phase for {quiet:.0f} s (guards.stall_timeout_s: "
+                    f"{self.stall_timeout_s:g}): the job is hung"), True
         return None, False
 
     def where_report(self) -> str:
@@ -178,15 +186,16 @@ class RankWatch:
                 return
             # Ranks stuck in one collective entered its phase together and may find their stall
             # at the same tick: the first to claim the report writes it, the others stop as readers.
-            found_here = found_here and self._claim_report()
-            print(f"vlrft: rank {self.rank} stops: {reason}", file=sys.stderr, flush=True)
-            if found_here:
+            claimed = found_here and self._claim_report()
+            print(f"vlrft: rank {self.rank} stops: {reason} [its main thread is at {main_thread_at()}]",
+                  file=sys.stderr, flush=True)
+            if claimed:
                 print(self.where_report(), file=sys.stderr, flush=True)
-                if self.stalled:  # where in the code it waits
-                    print(f"rank {self.rank}'s main thread (most recent call last):", file=sys.stderr)
-                    traceback.print_stack(sys._current_frames()[threading.main_thread().ident], file=sys.stderr)
-                self._record(reason, expected=self.world - 1)  # a dead rank never reads it
+                # Every rank is alive in a stall and reads the record; a dead rank never does.
+                self._record(reason, expected=self.world if self.stalled else self.world - 1)
             elif not self.store_lost:
+                if found_here:  # found at the same tick as the rank that claimed the report: its record
+                    self._await_record()
                 self._settle()
                 time.sleep(LINGER_S)
             sys.stdout.flush()
@@ -195,6 +204,14 @@ class RankWatch:
             # the main thread may sit in a collective that never returns; atexit handlers and
             # the process group's destruction could block on the dead peer the same way.
             os._exit(STOPPED_EXIT_CODE)
+
+    def _await_record(self) -> None:
+        deadline = time.monotonic() + ACK_WAIT_S
+        try:
+            while self.store.add(self._key("failures"), 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to wait for
+            pass
 
     def _claim_report(self) -> bool:
         try:
@@ -275,8 +292,30 @@ class RankWatch:
             pass
 
 
+def main_thread_at() -> str:
+    """The line the main thread is at: the innermost frame of vlrft's or the user's code, and the
+    library call it is inside of (a collective's wait, a lock)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "an unknown line"
+    stack = traceback.extract_stack(frame)
+
+    def line(f) -> str:
+        return f"{f.filename}:{f.lineno} in {f.name}"
+
+    paths = sysconfig.get_paths()
+    library = (paths["stdlib"], paths["purelib"], paths["platlib"], "<frozen")
+    vlrft_dir = os.path.dirname(os.path.abspath(__file__))  # (installed into site-packages, or not)
+    own = next((f for f in reversed(stack) if f.filename.startswith(vlrft_dir) or not f.filename.startswith(library)), None)
+    if own is None or own is stack[-1]:
+        return line(stack[-1])
+    return f"{line(own)}, inside {line(stack[-1])}"
+
+
 def rank_ranges(ranks: list[int]) -> str:
-    """`[0, 1, 2, 5]` -> "ranks 0-2, 5"; `[3]` -> "rank 3"."""
+    """`[0, 1, 2, 5]` -> "ranks 0-2, 5"; `[3]` -> "rank 3"; `[]` -> "no rank"."""
+    if not ranks:
+        return "no rank"
     runs: list[list[int]] = []
     for r in sorted(ranks):
         if runs and r == runs[-1][1] + 1:

@@ -2,6 +2,8 @@
 and a made-up clock: no processes, threads or sleeps. The 2-rank runs are in
 tests/integration/test_rank_failure.py."""
 
+import re
+import threading
 import time
 
 import pytest
@@ -175,22 +177,77 @@ def in_phase(monkeypatch, name: str, since: float, wall: float = 0.0) -> None:
     monkeypatch.setattr(progress, "_current", progress.Phase(name, since, wall))
 
 
-def test_a_phase_that_outlasts_the_stall_timeout_stops_the_run_naming_the_rank_and_the_phase(monkeypatch):
+def stall_watches(store, world=2, stall_timeout_s=30.0):
+    return [RankWatch(store, r, world, 60.0, stall_timeout_s=stall_timeout_s) for r in range(world)]
+
+
+def tick_in(monkeypatch, watch, phase, now):
+    """One tick of `watch` while its rank's main thread is in `phase` (each rank its own)."""
+    monkeypatch.setattr(progress, "_current", phase)
+    return watch.tick(now)
+
+
+def test_when_no_rank_moves_to_a_new_phase_for_the_stall_timeout_the_job_is_hung(monkeypatch):
     store = MemoryStore()
-    r0, r1 = (RankWatch(store, r, 2, 60.0, stall_timeout_s=30.0) for r in range(2))
+    r0, r1 = stall_watches(store)
     update, sync = progress.Phase("step 3: update", 100.0, 0.0), progress.Phase("step 3: weight sync", 120.0, 0.0)
+    for now in range(100, 150):  # rank 1 moved on at 120: the job moved, its last move counts
+        assert tick_in(monkeypatch, r1, update if now < 120 else sync, float(now)) == (None, False)
+        assert tick_in(monkeypatch, r0, update, float(now)) == (None, False)
+    assert tick_in(monkeypatch, r1, sync, 150.0) == (
+        "no rank has moved to a new phase for 30 s (guards.stall_timeout_s: 30): the job is hung", True)
+    assert r1.stalled and not r0.stalled
 
-    def tick(watch, phase, now):  # each rank's own main thread in its own phase
-        monkeypatch.setattr(progress, "_current", phase)
-        return watch.tick(now)
 
-    for now in range(100, 130):  # its peer's heartbeat moves: only the phase's age counts
-        assert tick(r1, update if now < 120 else sync, float(now)) == (None, False)
-        assert tick(r0, update, float(now)) == (None, False)
-    assert tick(r1, sync, 130.0) == (None, False)
-    reason, found_here = tick(r0, update, 130.0)
-    assert reason == "rank 0 has been in 'step 3: update' for 30 s (guards.stall_timeout_s: 30)"
-    assert found_here and r0.stalled and not r1.stalled  # recorded for the others; its stack is printed
+def test_a_rank_that_waits_long_on_a_working_one_is_no_stall(monkeypatch):
+    store = MemoryStore()
+    trainer, rollout = stall_watches(store)
+    waiting = progress.Phase("step 1: waiting for the batch of rank 1", 0.0, 0.0)
+    for now in range(0, 300):  # the rollout rank evaluates, a decoding batch every 20 s
+        batch = progress.Phase("step 0: evaluation", float(now - now % 20), 0.0)
+        assert tick_in(monkeypatch, rollout, batch, float(now)) == (None, False)
+        assert tick_in(monkeypatch, trainer, waiting, float(now)) == (None, False)
+
+
+def test_building_the_trainer_is_never_a_stall(monkeypatch):
+    store = MemoryStore()
+    r0, r1 = stall_watches(store)
+    building = progress.Phase("building the trainer (models, engine, data)", 0.0, 0.0, guarded=False)
+    for now in range(0, 3600, 10):  # rank 0 downloads the model, rank 1 waits for it
+        assert tick_in(monkeypatch, r0, building, float(now)) == (None, False)
+        assert tick_in(monkeypatch, r1, building, float(now)) == (None, False)
+
+
+def test_the_line_a_stopping_rank_names_is_its_own_code_inside_the_library_call():
+    from vlrft.rank_watch import main_thread_at
+
+    seen, asked = [], threading.Event()
+
+    def ask():
+        asked.wait()
+        seen.append(main_thread_at())
+
+    def waiting_in_the_loop(released):
+        asked.set()
+        released.wait(timeout=30)  # a lock's wait, in the standard library
+
+    released = threading.Event()
+    helper = threading.Thread(target=lambda: (ask(), released.set()))
+    helper.start()
+    waiting_in_the_loop(released)
+    helper.join()
+    assert re.fullmatch(rf"{re.escape(__file__)}:\d+ in waiting_in_the_loop, inside .*threading\.py:\d+ in wait", seen[0]), seen
+
+
+def test_advance_in_another_thread_is_not_the_loop_moving():
+    progress.enter("step 1: update")
+    before = progress.current()
+    helper = threading.Thread(target=progress.advance)  # a reward model's engine in a worker thread
+    helper.start()
+    helper.join()
+    assert progress.current() is before
+    progress.advance()
+    assert progress.current() is not before and progress.current().name == "step 1: update"
 
 
 def test_with_the_stall_timeout_off_a_phase_may_last_forever(monkeypatch):

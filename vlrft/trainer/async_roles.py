@@ -311,7 +311,8 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
     board = VersionBoard()
 
     def receive() -> list[dict]:
-        progress.enter(f"step {trainer.global_step + 1}: waiting for the batch of {rank_ranges(sources)}")
+        if sources:
+            progress.enter(f"step {trainer.global_step + 1}: waiting for the batch of {rank_ranges(sources)}")
         messages = [recv_object_from(source) for source in sources]
         for source in sources:
             board.acknowledge(source)
@@ -325,9 +326,10 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         nonlocal next_evaluation
         while trainer.writes_output and next_evaluation <= upto:
             if evaluation_due(next_evaluation, cfg.eval.every_steps, cfg.train.total_steps, trainer.eval_sources):
-                if not wait and not board.has_evaluation(next_evaluation):
-                    return
-                progress.enter(f"waiting for the rollout ranks' evaluation of version {next_evaluation}")
+                if not board.has_evaluation(next_evaluation):
+                    if not wait:
+                        return
+                    progress.enter(f"waiting for the rollout ranks' evaluation of version {next_evaluation}")
                 metrics = board.evaluation(next_evaluation)
                 trainer.eval_history.append((next_evaluation, metrics["eval/accuracy"]))
                 trainer.logger.log(next_evaluation, metrics)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -203,7 +204,10 @@ def test_a_thread_left_running_dies_with_the_call(tmp_path):
     assert descendants() == before
 
 
-def test_many_small_files_fill_only_the_sandbox_tmpfs():
+def test_many_small_files_fill_only_the_sandbox_tmpfs(tmp_path, monkeypatch):
+    # This test's sandbox directories in a directory of its own: in /tmp, those of sandbox calls
+    # of other tests running beside it (another xdist worker, another suite) come and go.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = run_python("""
 import os
 count = 0
@@ -218,7 +222,7 @@ except OSError as err:
     count, errno = map(int, result.stdout.split())
     assert errno == 28  # ENOSPC: the tmpfs is full
     assert 0 < count <= TMPFS_BYTES // 1000  # each file takes at least a page of it
-    assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("vlrft-sandbox-*")]  # nothing left behind
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 def test_no_network_even_to_a_server_on_this_machine():

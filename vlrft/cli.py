@@ -66,6 +66,8 @@ def run_training(cfg) -> int:
     which stop within guards.peer_timeout_s (vlrft.rank_watch) instead of waiting in a collective."""
     import traceback
 
+    import torch
+
     from vlrft import progress
     from vlrft.distributed import init_distributed, shutdown_distributed
     from vlrft.rank_watch import start_rank_watch
@@ -91,7 +93,7 @@ def run_training(cfg) -> int:
         watch.fail(f"vlrft: error: {err}", f"rank {watch.rank} failed with {type(err).__name__} (its message is above)")
         return 2
     except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks
-        if is_out_of_memory(err):
+        if isinstance(err, torch.OutOfMemoryError):
             err.add_note(out_of_memory_note(cfg))  # (printed under the traceback)
         if not watch.active:  # no other ranks: the exception goes on as it would (in-process callers see it)
             raise
@@ -108,12 +110,6 @@ def run_training(cfg) -> int:
             print(f"trajectory report: {html} (open it in a browser; numbers in {summary.name})", flush=True)
     shutdown_distributed()
     return 0
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    import torch
-
-    return isinstance(err, torch.OutOfMemoryError)
 
 
 def out_of_memory_note(cfg) -> str:

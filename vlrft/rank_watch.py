@@ -184,8 +184,8 @@ class RankWatch:
         with self._lock:
             if self._stop.is_set():
                 return
-            # Ranks stuck in one collective entered its phase together and may find their stall
-            # at the same tick: the first to claim the report writes it, the others stop as readers.
+            # Every rank sees the job-wide count stand still at about the same tick (and two may find
+            # deaths at once): the first to claim the report writes it, the others stop as readers.
             claimed = found_here and self._claim_report()
             print(f"vlrft: rank {self.rank} stops: {reason} [its main thread is at {main_thread_at()}]",
                   file=sys.stderr, flush=True)

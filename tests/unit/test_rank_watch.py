@@ -172,9 +172,16 @@ def test_the_watch_timeouts_must_not_be_negative(key, tmp_path):
         load_config(str(tmp_path / "c.yaml"))
 
 
-def in_phase(monkeypatch, name: str, since: float, wall: float = 0.0) -> None:
-    """This process's main thread entered `name` at `since` (the made-up clock of the ticks)."""
-    monkeypatch.setattr(progress, "_current", progress.Phase(name, since, wall))
+def in_phase(monkeypatch, phase: progress.Phase) -> None:
+    """This rank's main thread is in `phase` (entered on the made-up clock of the ticks)."""
+    monkeypatch.setattr(progress, "_current", phase)
+
+
+def recorded_sets(store, monkeypatch) -> list[str]:
+    """The keys the watches `set` on `store`, in order (the list grows as they do)."""
+    sets, real_set = [], store.set
+    monkeypatch.setattr(store, "set", lambda key, value: (sets.append(key), real_set(key, value)))
+    return sets
 
 
 def stall_watches(store, world=2, stall_timeout_s=30.0):
@@ -183,7 +190,7 @@ def stall_watches(store, world=2, stall_timeout_s=30.0):
 
 def tick_in(monkeypatch, watch, phase, now):
     """One tick of `watch` while its rank's main thread is in `phase` (each rank its own)."""
-    monkeypatch.setattr(progress, "_current", phase)
+    in_phase(monkeypatch, phase)
     return watch.tick(now)
 
 
@@ -253,16 +260,14 @@ def test_advance_in_another_thread_is_not_the_loop_moving():
 def test_with_the_stall_timeout_off_a_phase_may_last_forever(monkeypatch):
     store = MemoryStore()
     r0, r1 = (RankWatch(store, r, 2, 60.0) for r in range(2))
-    in_phase(monkeypatch, "step 1: generating and scoring", since=0.0)
+    in_phase(monkeypatch, progress.Phase("step 1: generating and scoring", 0.0, 0.0))
     for now in range(0, 100_000, 1000):
         assert r0.tick(float(now)) == (None, False) and r1.tick(float(now)) == (None, False)
 
 
 def test_each_phase_is_published_once_and_the_report_groups_ranks_oldest_phase_first(monkeypatch):
     store = MemoryStore()
-    sets = []
-    real_set = store.set
-    monkeypatch.setattr(store, "set", lambda key, value: (sets.append(key), real_set(key, value)))
+    sets = recorded_sets(store, monkeypatch)
     ranks = watches(store, 6)
     # 12:00:10 and later by each rank's clock (the report prints its wall clock, never compares ages)
     base = 1_790_000_000.0
@@ -271,8 +276,7 @@ def test_each_phase_is_published_once_and_the_report_groups_ranks_oldest_phase_f
         3: ("step 4: weight sync", 42.0), 5: ("step 4: update", 12.0)}.items()}
     for now in (50.0, 51.0, 52.0):
         for rank, phase in phases.items():
-            monkeypatch.setattr(progress, "_current", phase)
-            ranks[rank].tick(now)
+            tick_in(monkeypatch, ranks[rank], phase, now)
     # rank 4 never started its watch; a phase is published when it changes, not every tick
     assert sorted(sets) == [f"vlrft/rank_watch/phase/{rank}" for rank in phases]
     when = {s: time.strftime("%H:%M:%S", time.localtime(base + s)) for s in (10.0, 40.0)}
@@ -285,11 +289,9 @@ def test_each_phase_is_published_once_and_the_report_groups_ranks_oldest_phase_f
 
 def test_a_phase_is_published_again_only_when_the_loop_enters_another(monkeypatch):
     store = MemoryStore()
-    sets = []
-    real_set = store.set
-    monkeypatch.setattr(store, "set", lambda key, value: (sets.append(key), real_set(key, value)))
+    sets = recorded_sets(store, monkeypatch)
     (r0, _) = watches(store, 2)
-    in_phase(monkeypatch, "step 1: update", since=0.0)
+    in_phase(monkeypatch, progress.Phase("step 1: update", 0.0, 0.0))
     for now in range(5):
         r0.tick(float(now))
     assert sets == ["vlrft/rank_watch/phase/0"]

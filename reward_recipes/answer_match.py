@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+from reward_recipes.tags import last_answer
 
 
 def last_boxed(text: str) -> str | None:
@@ -23,8 +21,8 @@ def last_boxed(text: str) -> str | None:
 def extract_answer(text: str) -> str:
     """The last <answer>...</answer> tag's content (else the whole text), then, if that holds a
     \\boxed{...}, the last box's content."""
-    found = _ANSWER_TAG.findall(text)
-    answer = found[-1] if found else text
+    tagged = last_answer(text)
+    answer = tagged if tagged is not None else text
     boxed = last_boxed(answer)
     return boxed if boxed is not None else answer
 

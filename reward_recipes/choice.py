@@ -10,7 +10,8 @@ from reward_recipes.answer_match import extract_answer
 _CHOICE = re.compile(r"(?<![A-Za-z])\(?([A-Z])\)?(?:[.):]|(?![A-Za-z]))")
 _NUMBER_WORDS = {w: i for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve".split())}
-_INTEGER = re.compile(r"-?\d+")
+_TOKEN = re.compile(r"(-?\d+)|([a-z]+)")
+_MAX_DIGITS = 4000  # under Python's default limit for int(text), 4300
 
 
 def chosen_letter(text: str) -> str | None:
@@ -27,11 +28,16 @@ def multiple_choice(completions: list[str], samples: list[dict]) -> list[float]:
 
 def read_count(text: str) -> int | None:
     """The last integer (digits or an English number word up to twelve) in the answer, or None."""
-    answer = extract_answer(text).lower()
-    tokens = re.findall(r"-?\d+|[a-z]+", answer)
-    values = [int(t) if _INTEGER.fullmatch(t) else _NUMBER_WORDS.get(t) for t in tokens]
-    values = [v for v in values if v is not None]
-    return values[-1] if values else None
+    last = None  # kept as it goes: a list of every word of a long answer would take ~60 bytes a word
+    for match in _TOKEN.finditer(extract_answer(text).lower()):
+        digits, word = match.groups()
+        if digits is not None or word in _NUMBER_WORDS:
+            last = match.group()
+    if last in _NUMBER_WORDS:
+        return _NUMBER_WORDS[last]
+    # int() refuses more digits than Python's limit (a ValueError would fail the whole call);
+    # no count is that long, so such an answer is unreadable.
+    return int(last) if last is not None and len(last) <= _MAX_DIGITS else None
 
 
 def counting(completions: list[str], samples: list[dict]) -> list[float]:

@@ -4,19 +4,41 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from vlrft.isolation.sandbox import OUTPUT_LIMIT, run_python, run_tests
 
-# A fenced block: ``` + optional language tag, newline, body, closing ```.
-_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# A fence's language tag: after spaces or tabs, the word characters and +#.- that follow ```.
+_TAG = re.compile(r"[ \t]*([\w+#.-]*)")
 _PYTHON_TAGS = {"", "python", "py", "python3"}
+
+
+def fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
+    r"""(language tag, body) of each fenced block: ``` and an optional tag, the rest of that line,
+    the body, the next ```. The matches of re.findall(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```",
+    text, re.DOTALL), found with str.find: that regex is quadratic on ``` followed by a long line
+    with no newline (its two patterns for the line trade characters)."""
+    start = 0
+    while True:
+        opening = text.find("```", start)
+        if opening < 0:
+            return
+        newline = text.find("\n", opening + 3)
+        closing = text.find("```", newline + 1) if newline >= 0 else -1
+        if closing < 0:  # and no later opening has a newline and a closing after it either
+            return
+        yield _TAG.match(text, opening + 3, newline).group(1), text[newline + 1:closing]
+        start = closing + 3
 
 
 def extract_program(text: str) -> str:
     """The last ```python (or untagged) fenced block's body, else the whole text."""
-    blocks = [body for tag, body in _FENCE.findall(text) if tag.lower() in _PYTHON_TAGS]
-    return blocks[-1] if blocks else text
+    program = text
+    for tag, body in fenced_blocks(text):
+        if tag.lower() in _PYTHON_TAGS:
+            program = body
+    return program
 
 
 def normalise_output(text: str) -> str:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import re
 
+from reward_recipes.tags import tagged_spans
+
+# Linear in the text: both are anchored at its start, _STRICT's parts cannot trade characters,
+# and _THINK_ANSWER runs only on a text holding each tag once, so each `.*` has one place to
+# end. Tags anywhere in a text are found with str.find (reward_recipes/tags.py).
 _STRICT = re.compile(r"^\s*<answer>[^<>]+</answer>\s*$", re.DOTALL)
 _THINK_ANSWER = re.compile(r"^\s*<think>.*</think>\s*<answer>(.*)</answer>\s*$", re.DOTALL)
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
@@ -24,8 +27,11 @@ def _strict_think_answer(text: str) -> bool:
 
 
 def _lenient_think_answer(text: str) -> bool:
-    think = _THINK.search(text)
-    return bool(think and any(m.group(1).strip() for m in _ANSWER.finditer(text, think.end())))
+    think = next(tagged_spans(text, "<think>", "</think>"), None)
+    if think is None:
+        return False
+    after = think[1] + len("</think>")
+    return any(text[begin:end].strip() for begin, end in tagged_spans(text, "<answer>", "</answer>", after))
 
 
 def think_answer_format(completions: list[str], samples: list[dict], strict: bool = True) -> list[float]:

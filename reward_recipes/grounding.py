@@ -17,7 +17,7 @@ def parse_box(value) -> tuple[float, float, float, float] | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's limit
             found = _BOX.findall(value)
             value = [float(v) for v in found[-1]] if found else None
     if not isinstance(value, (list, tuple)) or len(value) != 4:

@@ -17,13 +17,15 @@ Scoring rule of `math_accuracy`, per completion:
 
 Thread safety: math-verify's default timeouts use `signal.alarm`, which raises outside the main
 thread, so this recipe always passes `parsing_timeout=None` / `timeout_seconds=None` and relies on
-the caller's timeout (vlrft.rewards.guard: a worker process killed at the timeout; the reward
-server calls it from its threads). No lock is held, so concurrent calls cannot block each other.
+the caller's timeout: the trainer (vlrft.rewards.guard) and the reward server (its worker
+processes) both run it in a worker process killed at the timeout. That is needed: sympy
+evaluates what it parses, and `\\boxed{9^{9^{9}}}` (24 bytes) is a power of 370 million digits,
+computed in C holding the GIL. No lock is held, so concurrent calls cannot block each other.
 """
 
 from __future__ import annotations
 
-from reward_recipes.answer_match import _ANSWER_TAG
+from reward_recipes.tags import last_answer
 
 _INSTALL_HINT = "math_accuracy needs math-verify: pip install 'vlrft[rewards]'"
 _DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
@@ -59,14 +61,14 @@ def parse_gold(parse, answer) -> list:
 
 def parse_prediction(parse, completion: str) -> list:
     """The parsed prediction ([] when unparsable); see the module docstring for the order."""
-    tags = _ANSWER_TAG.findall(completion)
-    text = (tags[-1] if tags else completion).strip()
+    tagged = last_answer(completion)
+    text = (tagged if tagged is not None else completion).strip()
     if not text:
         return []
     if _has_delimiters(text):
         return _parsed(parse, text)  # math_verify's extraction: boxed first, balanced braces only
     wrapped, plain = (lambda: _parsed(parse, f"${text}$")), (lambda: _parsed(parse, text))
-    first, second = (wrapped, plain) if tags else (plain, wrapped)
+    first, second = (wrapped, plain) if tagged is not None else (plain, wrapped)
     return first() or second()
 
 

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--host", default="127.0.0.1", help="any address but loopback needs a token")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--threads", type=int, default=4, help="requests served at once")
-    server.add_argument("--timeout-s", type=float, default=60.0, help="per-request recipe timeout")
+    server.add_argument("--timeout-s", type=float, default=60.0,
+                        help="per-request recipe timeout: a call past it is killed (a code recipe: --max-code-seconds)")
     add_reward_server_guards(server)
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained) and report.json")
     report.add_argument("run_dir", help="run directory holding trajectories/ (and metrics.jsonl)")

@@ -78,6 +78,12 @@ class DataConfig:
     # clip, each resized into [min_pixels, video_max_pixels].
     max_frames: int = 32
     video_max_pixels: int = 128 * 28 * 28
+    # A video file's width x height x source frames, read from its header before any frame is
+    # decoded; larger files are bad input (2**33: about 2.3 minutes of 1080p at 30 frames a second).
+    video_max_decoded_pixels: int = 2**33
+    # Seconds one video file may take to decode (a worker process, killed then): the bound that
+    # holds when a file's header lies about its frames.
+    video_decode_timeout_s: float = 60.0
     max_prompt_tokens: int = 1024  # longer prompts are rejected naming the row
     # Supervised rows (canonical schema; `answer` is the target response) mixed into the actor
     # update with algo.ptx_coef; empty = no PTX term.
@@ -121,8 +127,8 @@ class RolloutConfig:
     max_turns: int = 4  # turns the policy generates per trajectory at most
     max_trajectory_tokens: int = 2048  # response tokens per trajectory: actions and observations
     environment_timeout_s: float = 30.0  # per reset/step call; a slower call is a counted failure
-    # Worker processes per rank holding the environments: a turn's calls into different workers
-    # run at the same time (an environment that waits, waits once per turn per worker).
+    # Environment calls per rank that run at the same time (each trajectory's environment has a
+    # worker process of its own; an environment that waits, waits once per turn per this many).
     environment_workers: int = 4
 
     def max_response_tokens(self) -> int:

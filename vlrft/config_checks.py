@@ -4,6 +4,7 @@ ConfigError whose one-line message names the key (config.load_config runs them).
 from __future__ import annotations
 
 import importlib.util
+import math
 
 from vlrft.config import (
     LR_SCHEDULES,
@@ -159,6 +160,7 @@ def validate(cfg: Config) -> None:
         "train.micro_batch_tokens": cfg.train.micro_batch_tokens,
         "data.max_prompt_tokens": cfg.data.max_prompt_tokens,
         "data.max_frames": cfg.data.max_frames,
+        "data.video_max_decoded_pixels": cfg.data.video_max_decoded_pixels,
         "data.ptx_rows_per_step": cfg.data.ptx_rows_per_step,
         "rollout.max_sampling_rounds": cfg.rollout.max_sampling_rounds,
         "algo.kl.horizon": cfg.algo.kl.horizon,
@@ -177,6 +179,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("config key 'rollout.temperature' must be > 0 (evaluation is greedy on its own)")
+    if not 0 < cfg.data.video_decode_timeout_s < math.inf:
+        raise ConfigError("config key 'data.video_decode_timeout_s' must be a finite number > 0, "
+                          f"got {cfg.data.video_decode_timeout_s}")
     for key in ("max_pixels", "video_max_pixels"):
         if cfg.data.min_pixels > getattr(cfg.data, key):
             raise ConfigError(f"config key 'data.min_pixels' must be <= 'data.{key}'")

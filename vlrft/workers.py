@@ -7,10 +7,13 @@ the worker and everything it started, and the next call starts a fresh one; a pu
 a C computation holding the GIL or a sleep end alike. The caller never waits on a dead worker: a
 closed socket is a failure naming the exit status.
 
-The child is a fresh interpreter (`python -c`), not a fork: the trainer's threads, torch and
-CUDA state are not inherited, and the child imports only this module and what its calls need.
-Workers stop when their owner is garbage-collected and at interpreter exit (weakref.finalize),
-and a worker whose parent died without stopping it kills itself within a second.
+The child is a fresh interpreter (`python -c`), not a fork of the trainer: the trainer's
+threads, torch and CUDA state are not inherited, and the child imports only this module and what
+its calls need. Or it is forked from a zygote (vlrft.worker_zygote), itself such an interpreter
+that has already imported what the calls need: a start of milliseconds, and the memory the
+zygote's imports take is shared. Workers stop when their owner is garbage-collected and at
+interpreter exit (weakref.finalize), and a worker whose parent died without stopping it kills
+itself within a second.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from vlrft.worker_zygote import Zygote
 
 # A worker's start: the interpreter, then `prepare` (importing the callable: a user file's top
 # level, a recipe's packages). Not part of a call's timeout, so a recipe whose import takes
@@ -33,8 +39,9 @@ START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 2.0  # at exit an idle worker reads EOF and is gone in milliseconds; a busy one is killed
 _PARENT_POLL_S = 1.0
 _HEADER_BYTES = 8  # each message is its length, then its pickle
-# Runs as `python -c`: the parent's sys.path, so the worker imports what the parent would.
-_BOOTSTRAP = "import sys; sys.path[:] = sys.argv[3:]; from vlrft.workers import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+# Runs as `python -c`: the parent's sys.path, so the worker imports what the parent would; then
+# the entry (module, function) of its class, given its socket and its parent's pid.
+_BOOTSTRAP = "import sys; sys.path[:] = sys.argv[3:]; from {} import {} as entry; entry(int(sys.argv[1]), int(sys.argv[2]))"
 
 _killed = 0
 _killed_lock = threading.Lock()
@@ -78,10 +85,13 @@ def raised_text(err: BaseException) -> str:
 class Worker:
     """One child process serving calls one at a time (a lock keeps it so: at most one call in
     flight). `prepare` = (fn, args) runs once after each start (importing what the calls will
-    use), under START_TIMEOUT_S instead of a call's timeout."""
+    use), under START_TIMEOUT_S instead of a call's timeout. With a `zygote`
+    (vlrft.worker_zygote.Zygote) each start is a fork of it, which ran its own `prepare`."""
 
-    def __init__(self, prepare: tuple[Callable, tuple] | None = None):
-        self.prepare = prepare
+    entry = ("vlrft.workers", "serve")  # what the fresh interpreter runs
+
+    def __init__(self, prepare: tuple[Callable, tuple] | None = None, zygote: Zygote | None = None):
+        self.prepare, self.zygote = prepare, zygote
         self.generation = 0  # processes started so far: each kill is followed by a new one
         self.pid: int | None = None  # of the process started last
         self._process: subprocess.Popen | None = None
@@ -112,18 +122,7 @@ class Worker:
         return _stop_process(process, sock, os.getpid(), grace_s)
 
     def _start(self, cap: Callable) -> None:
-        parent_end, child_end = socket.socketpair()
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, str(child_end.fileno()), str(os.getpid()), *map(str, sys.path)],
-                pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: a kill reaches what it started
-            )
-        except OSError as err:
-            parent_end.close()
-            raise CallFailed(f"its worker process could not start ({one_line(str(err))})") from None
-        finally:
-            child_end.close()
+        process, parent_end = self.zygote.fork(cap) if self.zygote is not None else _spawn(self.entry)
         self._process, self._socket, self.pid = process, parent_end, process.pid
         self._finalizer = weakref.finalize(self, _stop_process, process, parent_end, os.getpid(), STOP_GRACE_S)
         self.generation += 1
@@ -163,6 +162,23 @@ class Worker:
         return value
 
 
+def _spawn(entry: tuple[str, str]) -> tuple[subprocess.Popen, socket.socket]:
+    """A fresh interpreter running `entry` (module, function); it and our end of its socket."""
+    parent_end, child_end = socket.socketpair()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP.format(*entry), str(child_end.fileno()), str(os.getpid()), *map(str, sys.path)],
+            pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: a kill reaches what it started
+        )
+    except OSError as err:
+        parent_end.close()
+        raise CallFailed(f"its worker process could not start ({one_line(str(err))})") from None
+    finally:
+        child_end.close()
+    return process, parent_end
+
+
 def exit_text(status: int | None) -> str:
     if status is None:
         return "exit status unknown"
@@ -171,7 +187,8 @@ def exit_text(status: int | None) -> str:
     return f"exit code {status}"
 
 
-def _stop_process(process: subprocess.Popen, sock: socket.socket, owner: int, grace_s: float) -> int | None:
+def _stop_process(process: Any, sock: socket.socket, owner: int, grace_s: float) -> int | None:
+    """`process`: a subprocess.Popen, or what a zygote forked (its pid and wait, alike)."""
     if os.getpid() != owner:  # a forked copy of the owner: the worker is not its to stop
         return None
     sock.close()  # an idle worker reads EOF and exits
@@ -180,26 +197,26 @@ def _stop_process(process: subprocess.Popen, sock: socket.socket, owner: int, gr
             return process.wait(grace_s)
         except subprocess.TimeoutExpired:
             pass
-    _kill_tree(process.pid)
+    kill_trees([process.pid])
     try:
         return process.wait(5.0)  # SIGKILL is immediate unless the kernel holds it (a stuck mount)
     except subprocess.TimeoutExpired:
-        return None  # subprocess reaps it later
+        return None  # reaped later: by subprocess, or by its zygote
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL the worker's process group and every descendant (one that started its own
+def kill_trees(pids: list[int]) -> None:
+    """SIGKILL each worker's process group and every descendant (one that started its own
     session, as the code sandbox does, is outside the group). The descendants are found
     first: once the worker is dead they are re-parented and out of sight."""
-    doomed = _descendants(pid)
-    for kill, target in [(os.killpg, pid), *((os.kill, d) for d in doomed)]:
+    doomed = _descendants(pids)
+    for kill, target in [*((os.killpg, pid) for pid in pids), *((os.kill, d) for d in doomed)]:
         try:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
 
-def _descendants(pid: int) -> list[int]:
+def _descendants(pids: list[int]) -> list[int]:
     children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
@@ -214,7 +231,7 @@ def _descendants(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
+    found, todo = [], list(pids)
     while todo:
         kids = children.get(todo.pop(), [])
         found += kids

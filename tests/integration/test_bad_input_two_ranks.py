@@ -2,8 +2,9 @@
 
 Under `data.on_bad_sample: skip` nothing hangs: rank 1 runs a placeholder in the step where all
 its prompts were skipped, the NaN step is skipped on both ranks, the counters add up over ranks
-and the final checkpoint loads. Under `error` both ranks stop with a one-line message instead of
-rank 0 waiting forever in a collective.
+and the final checkpoint loads. The run is two epochs: a bad prompt is named and counted once,
+and neither rank tries it again when the second epoch draws it (on either rank). Under `error`
+both ranks stop with a one-line message instead of rank 0 waiting forever in a collective.
 """
 
 import json
@@ -24,7 +25,7 @@ from vlrft.models.loader import load_model
 
 pytestmark = pytest.mark.integration
 
-N_ROWS, PROMPTS, STEPS, NAN_STEP = 12, 4, 3, 3
+N_ROWS, PROMPTS, STEPS, NAN_STEP = 12, 4, 6, 3  # two epochs
 
 
 def row(row_id: str, image, text: str = "What colour is the shape? Answer as <answer>colour</answer>.") -> dict:
@@ -83,13 +84,15 @@ def test_bad_prompts_and_nan_loss_on_one_rank(zero_stage, tiny_vl, colour_data, 
     assert "vlrft: rank 1: skipping row id 'bad-not_image': cannot read image" in out
     assert "vlrft: rank 1: skipping row id 'bad-too_long': prompt has" in out
     assert "vlrft: rank 0: skipping" not in out
+    for bad in ("bad-not_image", "bad-truncated", "bad-too_long"):  # once per run, epoch 2 included
+        assert out.count(f"skipping row id '{bad}'") == 1, bad
     assert "vlrft: skipped a policy optimizer step: non-finite loss in 1 micro-batch(es) on rank 1; " in out
     records = [json.loads(line) for line in (tmp_path / "run-skip" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "train/lr" in r}
-    assert sorted(steps) == [1, 2, 3]
-    assert steps[1]["data/skipped_rows"] == 3 and all("data/skipped_rows" not in steps[s] for s in (2, 3))
-    assert [steps[s]["data/skipped_prompts"] for s in (1, 2, 3)] == [2, 1, 0]
-    assert [steps[s]["train/skipped_nonfinite_steps"] for s in (1, 2, 3)] == [0, 0, 1]
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert steps[1]["data/skipped_rows"] == 3 and all("data/skipped_rows" not in steps[s] for s in range(2, STEPS + 1))
+    assert [steps[s]["data/skipped_prompts"] for s in sorted(steps)] == [2, 1, 0, 0, 0, 0]
+    assert [steps[s]["train/skipped_nonfinite_steps"] for s in sorted(steps)] == [0, 0, 1, 0, 0, 0]
     assert "train/loss" in steps[2] and "train/loss" not in steps[3]
     final = load_model(str(tmp_path / "run-skip" / "final"))
     before = load_model(tiny_vl)

@@ -58,6 +58,9 @@ def in_flight(completions, samples):
     with _lock:
         _in_flight[0] -= 1
         return [float(_in_flight[1])] * len(completions)
+
+
+in_flight.runs_in_trainer = True  # in the server's threads, which share _in_flight (not worker processes)
 '''
 
 
@@ -265,7 +268,8 @@ def test_refusals_are_json_4xx_and_not_retried(tmp_path, monkeypatch):
         assert post(url, b"[" * 5000)[:2] == (413, "application/json")
         assert post(url, b"{not json")[:2] == (400, "application/json")
         connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
-        connection.request("POST", "/score", body=iter([b"x" * 2**19] * 3), encode_chunked=True)  # no Content-Length
+        connection.request("POST", "/score", body=iter([b"x" * 2**19] * 3), encode_chunked=True,  # no Content-Length
+                           headers={"Content-Type": "application/json"})
         answer = connection.getresponse()
         assert (answer.status, answer.getheader("Content-Type")) == (413, "application/json")
         assert "--max-body-mb" in json.loads(answer.read())["error"]

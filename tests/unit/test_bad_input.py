@@ -60,7 +60,7 @@ def files(tmp_path_factory, colour_data):
     cases = {
         "not_image": (vl_row("bad-not_image", root / "not_image.png"), re.escape(
             f"row id 'bad-not_image': cannot read image {root / 'not_image.png'} "
-            f"(cannot identify image file '{root / 'not_image.png'}')")),
+            "(cannot identify image file as PNG, JPEG or WEBP, the image formats read)")),
         "truncated": (vl_row("bad-truncated", root / "truncated.png"), re.escape(
             f"row id 'bad-truncated': cannot read image {root / 'truncated.png'} (image file is truncated)")),
         "bomb": (vl_row("bad-bomb", root / "bomb.png"), re.escape(

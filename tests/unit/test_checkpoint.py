@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping without training: atomic publish and rotation, what a resume discards,
 the metrics log rewrite, config keys that must not change across a resume, config checks,
-fsync before the rename, safe loading (weights_only) and RNG state that loads safely."""
+fsync before the rename, safe loading (weights_only, DeepSpeed's files included) and RNG state
+that loads safely. Hostile checkpoint directories: test_checkpoint_hostile.py."""
 
 import json
 import os
@@ -11,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_checkpoint_hostile import rank_state, trainer_state
 from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.trainer.checkpoint import (
     changed_state_keys,
     clear_temporaries,
     complete_checkpoints,
     discard_after,
-    load_state,
     publish,
     resume_decision,
     resume_path,
@@ -26,6 +27,7 @@ from vlrft.trainer.checkpoint import (
     temporary_dir,
     truncate_metrics_after,
 )
+from vlrft.trainer.checkpoint_read import PickleProbe, checkpoint_files, load_state
 
 BASE = ["model.path=m", "data.train_path=t.jsonl", "reward.default=[{recipe: exact_match}]"]
 
@@ -158,3 +160,92 @@ def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     set_rng_state(load_state(tmp_path / "rank0.pt")["rng"])
     assert (random.random(), np.random.standard_normal(), float(torch.rand(1))) == expected
+
+
+class ShellPayload:
+    def __reduce__(self):  # unpickling this would run a shell command that creates the file
+        return (os.system, (f"touch {os.environ['PAYLOAD_MARKER']}",))
+
+
+def deepspeed_checkpoint(root: Path, zero_stage: int):
+    """A real DeepSpeed checkpoint of a small model after one optimizer step (AdamW state and
+    ZeRO partitions exist), in `root`/policy as vlrft writes it; the backend that wrote it."""
+    from vlrft.backends.deepspeed_backend import DeepSpeedBackend
+
+    torch.manual_seed(0)
+    backend = DeepSpeedBackend(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0, grad_clip=1.0, zero_stage=zero_stage)
+    backend.backward(backend.model(torch.ones(2, 4)).sum(), boundary=True)
+    backend.step()
+    backend.save_checkpoint(root / "policy")
+    return backend
+
+
+def plant(state_file: Path) -> None:
+    """Add a pickled shell command to a DeepSpeed state file (the file is ours: trusted here)."""
+    state = torch.load(state_file, weights_only=False)
+    state["planted"] = ShellPayload()
+    torch.save(state, state_file)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_deepspeed_state_loads_back_with_weights_only_and_its_allow_list(zero_stage, tmp_path, world_of_one):
+    from vlrft.backends.deepspeed_checkpoint import WeightsOnlyCheckpointEngine
+
+    backend = deepspeed_checkpoint(tmp_path, zero_stage)
+    assert type(backend.engine.checkpoint_engine) is WeightsOnlyCheckpointEngine
+    saved = {name: tensor.clone() for name, tensor in backend.named_full_parameters()}
+    backend.backward(backend.model(torch.ones(2, 4)).sum(), boundary=True)
+    backend.step()  # moves the weights away from the checkpoint
+    backend.load_checkpoint(tmp_path / "policy")
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in backend.named_full_parameters())
+    with PickleProbe(timeout_s=60, memory_bytes=4 << 30) as probe:  # nothing beyond the allow-list in any of its files
+        for state_file in checkpoint_files(tmp_path / "policy"):
+            if state_file.suffix == ".pt":
+                probe.check(state_file, deepspeed=True)
+
+
+@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_where_it_is_opened(planted, tmp_path, world_of_one, monkeypatch):
+    """Each rank's checkpoint engine refuses the file in one line naming it, before the
+    callable can run (as it would on a rank that skipped the check of rank 0 below)."""
+    marker = tmp_path / "payload-ran"
+    monkeypatch.setenv("PAYLOAD_MARKER", str(marker))
+    backend = deepspeed_checkpoint(tmp_path, zero_stage=2)
+    plant(tmp_path / "policy" / "state" / planted)
+    with pytest.raises(ConfigError) as refused:
+        backend.load_checkpoint(tmp_path / "policy")
+    assert str(refused.value) == (f"refusing to load checkpoint file {tmp_path / 'policy' / 'state' / planted}: it holds posix.system, "
+                                  "not only tensors and plain data (not written by vlrft, or tampered with)")
+    assert not marker.exists()
+
+
+def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_at_resume_and_never_runs(tmp_path, world_of_one, monkeypatch):
+    """Rank 0's resume decision probes every DeepSpeed file's pickle (nothing but allow-listed
+    names, unpickled to inert stand-ins in a worker): every rank stops with its one line, before
+    any rank loads a file."""
+    marker = tmp_path / "payload-ran"
+    monkeypatch.setenv("PAYLOAD_MARKER", str(marker))
+    config = to_dict(load_config(None, BASE))
+    saved = temporary_dir(tmp_path, 3)
+    saved.mkdir(parents=True)
+    deepspeed_checkpoint(saved, zero_stage=2)
+    torch.save(trainer_state(config, 3), saved / "trainer.pt")
+    torch.save(rank_state(), saved / "rank0.pt")
+    published = publish(saved, keep_last=2)
+    assert resume_decision("auto", tmp_path, 0, config, 1) == (published, 3)
+    state_file = published / "policy" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    plant(state_file)
+    with pytest.raises(ConfigError) as refused:
+        resume_decision("auto", tmp_path, 0, config, 1)
+    assert str(refused.value) == (f"refusing to load checkpoint file {state_file}: it holds posix.system, not only tensors, "
+                                  "plain data and DeepSpeed's state (not written by vlrft, or tampered with)")
+    assert not marker.exists()
+    state_file.write_bytes(b"not a zip file")
+    with pytest.raises(ConfigError, match=rf"^checkpoint file {state_file} cannot be read: not a torch.save archive"):
+        resume_decision("auto", tmp_path, 0, config, 1)
+    state_file.unlink()
+    os.mkfifo(state_file)  # opening it would wait for a writer forever
+    with pytest.raises(ConfigError, match=rf"^refusing to resume from {published}: {state_file} is not a regular file"):
+        resume_decision("auto", tmp_path, 0, config, 1)
+    with pytest.raises(ConfigError, match="is not a regular file$"):
+        load_state(state_file)

@@ -154,9 +154,29 @@ else:
 @needs_sandbox
 def test_a_failed_verdict_says_why():
     assert run_tests("def f():\n    return 1\n", "assert f() == 2, 'f is wrong'\n").reason == "fail: AssertionError: f is wrong"
-    assert run_tests("def f():\n    return 1\n", "assert g() == 1\n").reason == "fail: NameError: name 'g' is not defined"
+    assert run_tests("def f():\n    return 1\n", "assert f() == 1 and g() == 1\n").reason == "fail: NameError: name 'g' is not defined"
+    assert run_tests("def f():\n    return 1\n", "assert g() == 1\n").reason == "fail: the tests use none of the program's names"
     slow = run_tests("import time\ntime.sleep(30)\n", "assert True\n", timeout_s=1.0)
     assert not slow.passed and slow.timed_out and slow.reason == "fail: timed out after 1s"
+
+
+def test_a_failed_probe_is_tried_again_and_a_success_is_kept(monkeypatch):
+    """A moment of pressure (memory, disk) must not leave a long-lived worker without its
+    sandbox for good: a failure is probed again after PROBE_AGAIN_S; a success is not."""
+    from vlrft.isolation import sandbox
+
+    outcomes = iter([(None, "bwrap cannot start a sandbox here (out of memory)"), ("/usr/bin/bwrap", None)])
+    probes, clock = [], [1000.0]
+    monkeypatch.setattr(sandbox, "_probe", lambda: probes.append(clock[0]) or next(outcomes))
+    monkeypatch.setattr(sandbox.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sandbox, "_probed", [])
+    assert sandbox.isolation_problem() == "bwrap cannot start a sandbox here (out of memory)"
+    clock[0] += sandbox.PROBE_AGAIN_S / 2
+    assert sandbox.isolation_problem() is not None and len(probes) == 1  # not probed again at once
+    clock[0] += sandbox.PROBE_AGAIN_S
+    assert sandbox.isolation_problem() is None and len(probes) == 2
+    clock[0] += 10 * sandbox.PROBE_AGAIN_S
+    assert sandbox.isolation_problem() is None and len(probes) == 2  # a success holds
 
 
 def without_bubblewrap(monkeypatch):
@@ -201,12 +221,12 @@ def test_without_isolation_code_is_refused_unless_opted_in(monkeypatch, tmp_path
 def test_an_interpreter_under_tmp_stays_visible(monkeypatch, tmp_path):
     """The sandbox's /tmp is a tmpfs of its own; a venv that lives under the host's /tmp (as
     .ci/run's may) is bound after it, not hidden by it (found by a clean-clone CI run)."""
-    from vlrft.isolation import sandbox
+    from vlrft.isolation import launch
 
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / "marker.txt").write_text("bound")
-    dirs = sandbox._python_dirs()
-    monkeypatch.setattr(sandbox, "_python_dirs", lambda: [*dirs, str(venv)])
+    dirs = launch.python_dirs()
+    monkeypatch.setattr(launch, "python_dirs", lambda: [*dirs, str(venv)])
     result = run_python(f"print(open({str(venv / 'marker.txt')!r}).read())")
     assert result.passed and result.stdout == "bound\n", result.stderr

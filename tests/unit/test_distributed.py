@@ -13,6 +13,7 @@ import torch
 
 import vlrft
 from tests.process_env import fresh_process_env
+from tests.unit.test_checkpoint_hostile import rank_state, trainer_state
 from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.config_checks import check_world_size
 from vlrft.distributed import (
@@ -186,12 +187,12 @@ def test_resume_is_decided_once_and_errors_name_the_key(world_of_one, tmp_path):
     assert resume_decision("never", tmp_path, 0, config, 1) == (None, 0)
     saved = tmp_path / "checkpoints" / "step_000004"
     (saved / "policy").mkdir(parents=True)
-    torch.save({}, saved / "rank0.pt")
-    torch.save({"step": 4, "world_size": 1, "config": config}, saved / "trainer.pt")
+    torch.save(rank_state(), saved / "rank0.pt")
+    torch.save(trainer_state(config, 4), saved / "trainer.pt")
     assert resume_decision("auto", tmp_path, 0, config, 1) == (saved, 4)
     with pytest.raises(ConfigError, match="checkpoint.resume.*not a vlrft checkpoint"):
         resume_decision(str(tmp_path / "nowhere"), tmp_path, 0, config, 1)
-    torch.save({"step": 4, "world_size": 2, "config": config}, saved / "trainer.pt")
+    torch.save({**trainer_state(config, 4), "world_size": 2}, saved / "trainer.pt")
     with pytest.raises(ConfigError, match=r"step_000004 is incomplete: no rank1.pt"):
         resume_decision("auto", tmp_path, 0, config, 2)
 

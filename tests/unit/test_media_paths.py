@@ -20,7 +20,7 @@ from vlrft.config import ConfigError, load_config
 from vlrft.data.columns import Columns
 from vlrft.data.dataset import DataError, canonical_row, load_rows, read_rows
 from vlrft.data.media import MediaPaths, media_from
-from vlrft.data.video import MAX_SOURCE_FRAMES, decode_video_file
+from vlrft.data.video_file import MAX_SOURCE_FRAMES, decode_video_file
 from vlrft.trainer.bad_input import BadInput
 
 EXTERNAL = MediaPaths(allow_external=True)
@@ -161,14 +161,18 @@ def test_row_ids_never_become_path_components(tmp_path):
     assert stored[-1].startswith("images/plain-1-")
 
 
-def test_a_video_file_claiming_endless_frames_stops_at_the_bound(monkeypatch):
-    """The counting pass reads frames until the file ends; a crafted one never does."""
+def test_a_video_file_claiming_endless_frames_stops_at_the_bound(monkeypatch, tmp_path):
+    """The counting pass reads frames until the file ends; a crafted one never does (and its
+    header gives no frame count to refuse it by)."""
     class EndlessCapture:
-        def __init__(self, path):
+        def __init__(self, path, backend):
             pass
 
+        def isOpened(self):
+            return True
+
         def get(self, prop):
-            return 30.0
+            return {"fps": 30.0, "width": 64, "height": 48, "count": 0}[prop]
 
         def grab(self):
             return True
@@ -176,8 +180,11 @@ def test_a_video_file_claiming_endless_frames_stops_at_the_bound(monkeypatch):
         def release(self):
             pass
 
-    monkeypatch.setitem(sys.modules, "cv2", types.SimpleNamespace(VideoCapture=EndlessCapture, CAP_PROP_FPS=5))
+    props = {"CAP_PROP_FPS": "fps", "CAP_PROP_FRAME_WIDTH": "width", "CAP_PROP_FRAME_HEIGHT": "height",
+             "CAP_PROP_FRAME_COUNT": "count", "CAP_FFMPEG": 1900}
+    monkeypatch.setitem(sys.modules, "cv2", types.SimpleNamespace(VideoCapture=EndlessCapture, **props))
+    (tmp_path / "endless.mp4").write_bytes(b"not decoded by the double")
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=f"longer than {MAX_SOURCE_FRAMES} frames"):
-        decode_video_file("endless.mp4", 2.0, 8)
-    assert time.perf_counter() - start < 5
+    with pytest.raises(ValueError, match=f"more than {MAX_SOURCE_FRAMES} frames of 64x48"):
+        decode_video_file(str(tmp_path / "endless.mp4"), 2.0, 8)
+    assert time.perf_counter() - start < 60

@@ -6,18 +6,17 @@ from dataclasses import replace
 from functools import partial
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from vlrft.data.encoding import PromptEncoder
 from vlrft.errors import ConfigError
 from vlrft.isolation.budget import STEP_BUDGET, CallStalled
 from vlrft.multiturn.environment import EnvironmentFailure, Step, as_step, resolve_environment
-from vlrft.multiturn.host import EnvironmentHost
+from vlrft.multiturn.host import EnvironmentHost, results
 from vlrft.multiturn.in_flight import InFlight
 from vlrft.multiturn.rollout import MultiTurn, multi_turn_generate, multi_turn_steps
 from vlrft.multiturn.template import observation_template
-from vlrft.multiturn.tools import ToolEnvironment, calculator, parse_tool_calls
+from vlrft.multiturn.tools import ToolEnvironment
 from vlrft.engines.base import SamplingParams
 from vlrft.types import Prompt, Rollout
 from tests.marks import needs_sandbox
@@ -77,77 +76,6 @@ def test_a_template_without_image_parts_has_none(tokenizer):
     assert observation_template(tokenizer, [end_of_turn(tokenizer)], "tool", "tiny").image_part == "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def test_tool_calls_are_parsed_and_answered():
-    calls = parse_tool_calls(
-        'I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>'
-        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"7 // 2\\"}"}</tool_call>'
-        "<tool_call>not json</tool_call><tool_call>{\"arguments\": {}}</tool_call>"
-    )
-    assert calls[:2] == [{"name": "calculator", "arguments": {"expression": "17 * 23"}},
-                         {"name": "calculator", "arguments": {"expression": "7 // 2"}}]
-    assert "not JSON" in calls[2]["error"] and "no 'name'" in calls[3]["error"]
-    env = ToolEnvironment(["calculator"])
-    step = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "(2 + 3) ** 2 / 5"}}</tool_call>'
-                    '<tool_call>{"name": "search", "arguments": {}}</tool_call>')
-    assert step.observation == "5\nerror: unknown tool 'search'; available: calculator" and not step.done
-    assert env.step("The answer is 391.") == Step("", 0.0, done=True)  # no call: the final answer
-
-
-def test_calculator_is_exact_and_runs_no_code():
-    assert calculator("17 * 23") == "391" and calculator("-(7 - 10) % 4") == "3" and calculator("1 / 4") == "0.25"
-    for bad in ("__import__('os').system('true')", "[1] * 10", "2 ** 1000"):
-        with pytest.raises(ValueError):
-            calculator(bad)
-
-
-# Each must be refused before it computes: the calculator holds the GIL, no timeout can stop it.
-CALCULATOR_BOMBS = {
-    "(((9**64)**64)**64)**64": "result too large",  # small exponents, exploding operands
-    "9**9**9**9": "exponent too large",
-    "(10**4000)*(10**4000)": "exponent too large",
-    "(2**64)**60 * (2**64)**60": "result too large",  # each factor allowed (3840 bits), the product not
-    " * ".join(["2**64"] * 70): "result too large",  # a long chain of allowed factors
-    "-" * 900 + "1": "nested more than",
-    "(" * 150 + "1" + "+1)" * 150: "nested more than",
-    "1" * 100_000: "longer than",  # a 100,000-digit literal
-    "1e300 * 1e300": "number too large",
-    "10.0 ** 60 * 1e300": "number too large",
-    "2 ** 64 / 0": "division by zero",
-    "(-8) ** 0.5": "not a real number",
-}
-
-
-@pytest.mark.parametrize("bomb", CALCULATOR_BOMBS)
-def test_calculator_refuses_work_it_cannot_bound(bomb):
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match=CALCULATOR_BOMBS[bomb]):
-        calculator(bomb)
-    assert time.perf_counter() - start < 0.5
-    # the policy sees it as the tool's one-line error text
-    observation = ToolEnvironment(["calculator"]).run({"name": "calculator", "arguments": {"expression": bomb}})
-    assert observation.startswith("error: ValueError: ") and "\n" not in observation
-
-
-def test_calculator_stays_exact_within_its_bounds():
-    assert [calculator(f"{x} * {y}") for x, y in ((37, 52), (99, 99), (10, 10))] == ["1924", "9801", "100"]
-    assert calculator("2 ** 64") == "18446744073709551616" and calculator("2 ** -2") == "0.25"
-    assert calculator("(2**64)**60") == str(2**3840)  # at the bit bound's edge, still exact
-    assert calculator("9" * 999) == "9" * 999 and calculator("1.5 * 4") == "6"
-
-
-@needs_sandbox
-def test_user_tools_and_the_python_tool(tmp_path):
-    (tmp_path / "my_tools.py").write_text("def shout(text):\n    return text.upper()\n")
-    env = ToolEnvironment([f"{tmp_path / 'my_tools.py'}:shout", "python"])
-    step = env.step('<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>'
-                    '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
-                    '<tool_call>{"name": "shout", "arguments": {"wrong": 1}}</tool_call>')
-    lines = step.observation.split("\n")
-    assert lines[0] == "HI" and lines[1] == "42" and lines[-1].startswith("error: TypeError")
-    with pytest.raises(ConfigError, match="not found"):
-        ToolEnvironment([f"{tmp_path / 'missing.py'}:shout"])
-
-
 def test_step_answers_are_checked_and_environments_found_by_name():
     assert as_step(("obs", 1, False)) == Step("obs", 1.0, False)
     for bad, why in ((None, "not a Step"), (("obs", "high", False), "not a number"), ((3, 0.0, False), "not text"),
@@ -179,14 +107,17 @@ from vlrft.multiturn.environment import Step
 
 class Counting:
     """Answers 'obs' until its third step ('quick' rows: its first); fails on rows whose id
-    says so. Counts its constructions in the worker: the 7th raises."""
+    says so. Counts its constructions in a file beside it (each worker holds one environment at
+    a time, so a class attribute would count one): the `fail_at`-th raises (one call at a time)."""
 
-    built = 0
-
-    def __init__(self):
-        Counting.built += 1
-        if Counting.built == 7:
-            raise OSError("no more ports")
+    def __init__(self, fail_at=0):
+        if fail_at:
+            import pathlib
+            built = pathlib.Path(__file__).with_name("constructions")
+            count = int(built.read_text() if built.exists() else 0) + 1
+            built.write_text(str(count))
+            if count == fail_at:
+                raise OSError("no more ports")
         self.steps = 0
 
     def reset(self, sample):
@@ -256,7 +187,7 @@ def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer, host
     template = observation_template(tokenizer, [stop], "tool", "tiny")
     obs = template.observation_ids(stop, "obs")
     engine = ScriptedEngine([[7, stop], [8, 9, stop], [10, stop], [11, stop]], stop)
-    mt = MultiTurn(hosted("Counting"), template, max_turns=4, max_tokens=200)
+    mt = MultiTurn(hosted("Counting", fail_at=7), template, max_turns=4, max_tokens=200)
     fields = lambda p: {"id": p.id}  # noqa: E731
     rows = [prompt("ok", 0), prompt("bad-reset", 1), prompt("ok", 2), prompt("ok", 3)]
     # the 7th construction (row 3's first trajectory) raises
@@ -277,32 +208,35 @@ def test_multi_turn_rollouts_append_observations_out_of_the_loss(tokenizer, host
     assert bad.response_ids == [] and "reset raised ValueError: no such level" in bad.turns[0]["error"]
 
 
-def test_a_hanging_step_is_killed_and_loses_the_environments_of_its_worker(tokenizer, hosted):
-    """The hung step ends its trajectory at the timeout; the other trajectories whose
-    environments lived in the killed worker end at their next call, naming it; the rows
-    after it get a fresh worker."""
+def warm(host: EnvironmentHost, workers: int) -> None:
+    """Start `workers` worker processes and give them back idle, as a first batch would."""
+    results(host.release(host.each([partial(host.construct, "warm-up") for _ in range(workers)])))
+
+
+def test_a_hanging_step_is_killed_and_loses_only_its_own_environment(tokenizer, hosted):
+    """8 trajectories, 4 calls at a time (the default `rollout.environment_workers`): the hung
+    step ends its own trajectory at the timeout; every other trajectory, however its calls
+    were spread over the threads, keeps its environment and goes on to its last turn."""
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
-    mt = MultiTurn(hosted("Counting", timeout_s=0.5), template, max_turns=3, max_tokens=200)
-    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
-    fields = lambda p: {"id": p.id}  # noqa: E731
-    rows = [prompt("quick", 0), prompt("hangs", 1), prompt("ok", 2)]
+    mt = MultiTurn(hosted("Counting", timeout_s=0.5, workers=4), template, max_turns=3, max_tokens=200)
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    rows = [prompt("ok", 0), prompt("hangs", 1), prompt("ok", 2), prompt("ok", 3)]
     start = time.monotonic()
-    quick, hung, lost = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, fields)
-    assert time.monotonic() - start < 0.5 + 3.0  # the worker's start, the hang's timeout and the kill
-    assert len(quick.turns) == 1 and "error" not in quick.turns[0]  # done before the hang
-    assert len(hung.turns) == 2 and hung.turns[1]["error"] == "step timed out after 0.5s"
-    assert len(lost.turns) == 2 and lost.turns[1]["error"] == (
-        "step not run: its environment was lost with its worker process "
-        "(environment step on sample 'hangs': timed out after 0.5s)")
-    again = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), [prompt("ok", 0)], params, mt, fields)[0]
-    assert len(again.turns) == 3 and not any("error" in t for t in again.turns)
+    rollouts = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, lambda p: {"id": p.id})
+    assert time.monotonic() - start < 0.5 + 8.0  # the workers' starts, the hangs' timeouts and kills
+    hung = [r for r in rollouts if r.prompt.id == "hangs"]
+    assert [t.get("error") for r in hung for t in r.turns] == [None, "step timed out after 0.5s"] * 2
+    others = [r for r in rollouts if r.prompt.id != "hangs"]
+    assert [len(r.turns) for r in others] == [3] * 6 and not any("error" in t for r in others for t in r.turns)
+    again = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), [prompt("ok", 0)], params, mt, lambda p: {"id": p.id})
+    assert [len(r.turns) for r in again] == [3, 3] and not any("error" in t for r in again for t in r.turns)
 
 
-def test_a_turns_environment_calls_run_at_the_same_time_in_the_workers(tokenizer, hosted):
-    """8 trajectories whose steps sleep 0.4 s: with 4 workers each turn waits two rounds of
-    0.4 s (not eight), the environments spread over 4 processes (they answer with their pid),
-    and the trajectories are those of one worker, turn for turn, in the same order."""
+def test_a_turns_environment_calls_run_at_the_same_time_each_trajectory_in_its_own_worker(tokenizer, hosted):
+    """8 trajectories whose steps sleep 0.4 s: 4 calls at a time make each turn wait two rounds
+    of 0.4 s (not eight, as 1 does); either way each trajectory's environment has a process of
+    its own (they answer with their pid), and the trajectories are the same, turn for turn."""
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
     params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
@@ -310,7 +244,7 @@ def test_a_turns_environment_calls_run_at_the_same_time_in_the_workers(tokenizer
 
     def run(workers: int) -> tuple[list, float]:
         mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, workers=workers, seconds=0.4), template, max_turns=3, max_tokens=200)
-        mt.environments.each([(w, partial(mt.environments.construct, "warm-up", w)) for w in range(workers)])  # start them
+        warm(mt.environments, 8)
         start = time.monotonic()
         rollouts = multi_turn_generate(ScriptedEngine([[7, stop], [8, stop], [9, stop]], stop), rows, params, mt, lambda p: {})
         return rollouts, time.monotonic() - start
@@ -321,20 +255,23 @@ def test_a_turns_environment_calls_run_at_the_same_time_in_the_workers(tokenizer
     assert pooled_s < 2 * 2 * 0.4 + 1.0, pooled_s
     turns = lambda rollouts: [(r.prompt.id, [(t["action"], t["reward"]) for t in r.turns]) for r in rollouts]  # noqa: E731
     assert turns(pooled) == turns(serial) == [(f"r{i // 2}", [("turn 1", 1.0), ("turn 2", 1.0)]) for i in range(8)]
-    pids = {r.turns[0]["observation"] for r in pooled}
-    assert len(pids) == 4 and len({r.turns[0]["observation"] for r in serial}) == 1
+    assert len({r.turns[0]["observation"] for r in serial}) == len({r.turns[0]["observation"] for r in pooled}) == 8
 
 
-def test_a_hang_in_one_worker_loses_only_that_workers_environments(tokenizer, hosted):
+def test_each_trajectory_in_flight_has_a_process_and_later_batches_reuse_them(tokenizer, hosted):
+    """A process per trajectory in flight, whatever the number of calls at a time (2 here), and
+    no more: the next batches run in the first one's workers (their constructions come after
+    its releases)."""
     stop = end_of_turn(tokenizer)
     template = observation_template(tokenizer, [stop], "tool", "tiny")
-    mt = MultiTurn(hosted("Counting", timeout_s=0.5, workers=2), template, max_turns=3, max_tokens=200)
-    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
-    rows = [prompt("ok", 0), prompt("hangs", 1), prompt("ok", 2), prompt("ok", 3)]  # workers 0 1 0 1
-    ok, hung, other, lost = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, lambda p: {"id": p.id})
-    assert hung.turns[1]["error"] == "step timed out after 0.5s"
-    assert lost.turns[1]["error"].startswith("step not run: its environment was lost with its worker process")
-    assert [len(r.turns) for r in (ok, other)] == [3, 3] and not any("error" in t for r in (ok, other) for t in r.turns)
+    mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, workers=2, seconds=0.0), template, max_turns=3, max_tokens=200)
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    pids = []
+    for batch in range(3):
+        rows = [prompt(f"r{i}", i) for i in range(2)]
+        rollouts = multi_turn_generate(ScriptedEngine([[7, stop]] * 3, stop), rows, params, mt, lambda p: {})
+        pids.append({r.turns[0]["observation"] for r in rollouts})
+    assert len(pids[0]) == 4 and pids[1] == pids[2] == pids[0] and len(mt.environments.workers) == 4
 
 
 def test_trajectory_budget_and_turn_limit(tokenizer, hosted):
@@ -482,7 +419,7 @@ def test_a_batch_in_flight_decodes_while_another_waits_on_its_environments(token
     params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
     mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, workers=8, seconds=0.4), template, max_turns=3, max_tokens=200)
     host = mt.environments
-    host.each([(w, partial(host.construct, "warm-up", w)) for w in range(8)])  # start the workers
+    warm(host, 8)
     engine = SlowEngine(0.3, stop)
     first, second = [prompt(f"a{i}", i) for i in range(4)], [prompt(f"b{i}", 4 + i) for i in range(4)]
     steps = lambda rows: multi_turn_steps(engine, rows, params, mt, lambda p: {})  # noqa: E731
@@ -508,7 +445,9 @@ def test_a_batch_in_flight_decodes_while_another_waits_on_its_environments(token
     overlapped[1] = ahead[0].finish()
     overlapped_s = time.monotonic() - start
     assert overlapped_s < alone_s - 0.8, (overlapped_s, alone_s)
-    turns = lambda rollouts: [(r.prompt.id, r.response_ids, [t["reward"] for t in r.turns]) for r in rollouts]  # noqa: E731
+    # (the observations name the worker processes, which the two runs take in another order)
+    turns = lambda rollouts: [(r.prompt.id, [i for i, t in zip(r.response_ids, r.trained) if t],  # noqa: E731
+                               [t["reward"] for t in r.turns]) for r in rollouts]
     assert [turns(b) for b in overlapped] == [turns(b) for b in alone]
     assert turns(alone[1])[0][2] == [1.0, 1.0]  # both steps answered
 
@@ -520,7 +459,7 @@ def test_a_batch_started_ahead_is_bounded_by_its_timeouts_not_the_steps_budget(t
     template = observation_template(tokenizer, [stop], "tool", "tiny")
     params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
     mt = MultiTurn(hosted("Sleeping", timeout_s=5.0, seconds=0.4), template, max_turns=3, max_tokens=200)
-    mt.environments.each([(0, partial(mt.environments.construct, "warm-up", 0))])  # the worker's start
+    warm(mt.environments, 1)
     engine = ScriptedEngine([[7, stop]] * 6, stop)
     STEP_BUDGET.start(0.5)  # two 0.4 s steps do not fit
     try:

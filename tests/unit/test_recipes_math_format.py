@@ -3,11 +3,15 @@ against math-verify 0.9: what it does and does not treat as equal."""
 
 import sys
 import threading
+import time
 
 import pytest
 
 from reward_recipes.format import answer_tag_format, think_answer_format
 from reward_recipes.math import math_accuracy
+from vlrft.config import RecipeSpec, RewardConfig
+from vlrft.rewards import RewardMix
+from vlrft.workers import killed_calls
 
 pytest.importorskip("math_verify")
 
@@ -108,6 +112,20 @@ def test_works_outside_the_main_thread():
         t.join(60)
     assert not errors, errors
     assert results == {k: [1.0, 1.0, 0.0] for k in range(4)}
+
+
+def test_a_power_tower_in_training_is_killed_at_its_timeout_and_costs_only_that_call(capsys):
+    """`\\boxed{9^{9^{9}}}`: sympy computes 9^387420489 in C, holding the GIL, for minutes. In the
+    trainer the recipe runs in a worker process: the call is killed at its timeout_s, its
+    completions get the fallback, and the next call is scored by a fresh worker."""
+    mix = RewardMix(RewardConfig(default=[RecipeSpec(recipe="math_accuracy", timeout_s=3, fallback=0.0)]))
+    assert mix.score([r"\boxed{2}"], [{"answer": "2", "data_source": "x"}])[0] == [1.0]  # its worker started
+    killed, start = killed_calls(), time.monotonic()
+    totals = mix.score([r"\boxed{9^{9^{9}}}", r"\boxed{2}"], [{"answer": "2", "data_source": "x"}] * 2)[0]
+    assert totals == [0.0, 0.0] and killed_calls() == killed + 1 and mix.take_failures() == {"math_accuracy": 1}
+    assert time.monotonic() - start < 30  # its timeout and a kill, not the power's minutes
+    assert "reward recipe 'math_accuracy' failed (timed out after 3s)" in capsys.readouterr().err
+    assert mix.score([r"\boxed{2}"], [{"answer": "2", "data_source": "x"}])[0] == [1.0]
 
 
 def test_missing_math_verify_says_how_to_install(monkeypatch):

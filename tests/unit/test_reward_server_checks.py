@@ -18,9 +18,9 @@ from vlrft.errors import ConfigError
 from vlrft.rewards import wire
 from vlrft.rewards.loading import resolve_recipe
 from vlrft.rewards.remote import backoff_delay, is_retryable
-from vlrft.rewards.server_checks import (TOKEN_ENV, Limits, Rejected, check_body_length, check_json_text,
-                                         check_request, check_start, check_token, is_loopback, nesting_exceeds,
-                                         json_structure, read_token, runs_code)
+from vlrft.rewards.server_checks import (TOKEN_ENV, Limits, Rejected, check_body_length, check_headers,
+                                         check_request, check_start, check_token, is_json_type, is_loopback,
+                                         is_loopback_host, parse_json, read_token, runs_code)
 from tests.marks import needs_sandbox
 
 
@@ -38,36 +38,174 @@ def as_image(raw: bytes) -> dict:
 
 
 def depth(text: str, max_depth: int) -> bool:
-    return nesting_exceeds(json_structure(text), max_depth)
+    """Whether the body is refused for nesting deeper than max_depth."""
+    try:
+        parse_json(text.encode(), Limits(max_json_depth=max_depth))
+    except Rejected as err:
+        return "--max-json-depth" in str(err)
+    return False
 
 
-def test_nesting_scan_counts_levels_outside_strings_only():
+def test_nesting_counts_levels_outside_strings_only():
     assert not depth('{"a": [[[1]]]}', 4) and depth('{"a": [[[1]]]}', 3)
     assert not depth('[{"s": "]]]]\\"[[[[[[", "t": "\\\\"}]', 2)  # brackets and escapes in strings
     assert not depth('[{"é€": "x"}, []]', 2)  # multi-byte UTF-8
-    assert not depth("[[]", 5) and not depth("[]]", 5)  # unbalanced: json.loads reports it (400)
-    assert depth("[" * 6, 5)  # never closed, but json.loads would recurse 6 deep before failing
-    assert not depth("", 1) and not depth('"just a string"', 1)
+    assert depth("[" * 2000 + "]" * 2000, 32)  # past the interpreter's recursion limit: refused, not a crash
+    assert depth("[" * 2000, 32)  # never closed, and as deep
+    assert not depth('"just a string"', 1)
 
 
 def test_deep_nesting_is_refused_without_recursion():
-    bomb = ("[" * 200_000 + "]" * 200_000).encode()  # json.loads would raise RecursionError
+    bomb = ("[" * 200_000 + "]" * 200_000).encode()
     with pytest.raises(Rejected, match=r"deeper than 32 levels \(--max-json-depth\)") as err:
-        check_json_text(bomb, Limits())
+        parse_json(bomb, Limits())
     assert err.value.status == 413
-    comb = "[" + ",".join(["[" * 31 + "]" * 31] * 100_000) + "]"  # 6 MB just inside the limit
+    comb = "[" + ",".join(["[" * 31 + "]" * 31] * 5_000) + "]"  # just inside the limit
     start = time.perf_counter()
-    assert check_json_text(comb.encode(), Limits(max_json_values=10**7)) == comb
-    assert time.perf_counter() - start < 2.0  # linear passes in C, ~0.1 s here
+    assert parse_json(comb.encode(), Limits()) == json.loads(comb)
+    assert time.perf_counter() - start < 5.0  # one pass in C and a walk, ~0.2 s here
 
 
 def test_json_values_and_encoding_limits():
     many = json.dumps([0] * 1000).encode()
-    with pytest.raises(Rejected, match=r"about 1001 values, over the limit of 1000 \(--max-json-values\)"):
-        check_json_text(many, Limits(max_json_values=1000))
+    with pytest.raises(Rejected, match=r"more than 1000 values \(--max-json-values\)") as err:
+        parse_json(many, Limits(max_json_values=1000))
+    assert err.value.status == 413
+    assert parse_json(many, Limits(max_json_values=1001)) == [0] * 1000  # the list and its 1000 numbers
     with pytest.raises(Rejected, match="not UTF-8") as err:
-        check_json_text(b'["\xff"]', Limits())
+        parse_json(b'["\xff"]', Limits())
     assert err.value.status == 400
+    with pytest.raises(Rejected, match=r"^request body is not JSON \(Expecting property name") as err:
+        parse_json(b"{not json", Limits())
+    assert err.value.status == 400
+
+
+def test_the_shape_check_holds_one_iterator_per_level_not_one_entry_per_value():
+    """Counting 300,000 values (the parse already holds them) takes next to no memory of its
+    own: a stack of (value, depth) pairs took 56 bytes per value, 50 bytes per body byte in all."""
+    import tracemalloc
+
+    from vlrft.rewards.server_checks import check_json_shape
+
+    body = {"completions": [], "samples": [{} for _ in range(300_000)]}
+    tracemalloc.start()
+    try:
+        check_json_shape(body, Limits())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100_000, f"the shape check took {peak} bytes"
+    with pytest.raises(Rejected, match=r"more than 300002 values"):
+        check_json_shape(body, Limits(max_json_values=300_002))
+    check_json_shape(body, Limits(max_json_values=300_003))  # the body, its two lists and the dicts
+    with pytest.raises(Rejected, match="deeper than 2 levels"):
+        check_json_shape(body, Limits(max_json_depth=2))
+    check_json_shape(body, Limits(max_json_depth=3))
+
+
+def test_what_a_client_sent_is_logged_on_one_line_escaped_and_cut():
+    from vlrft.rewards.server_checks import loggable
+
+    assert loggable("/score") == "/score"
+    assert loggable("/x\nvlrft reward server: forged\x1b[2J\u202e") == "/x\\nvlrft reward server: forged\\x1b[2J\\u202e"
+    assert loggable("/" + "a" * 500, 20) == "/" + "a" * 19 + "..."
+    assert "\n" not in loggable("".join(map(chr, range(0x20))) + "\u2028\u0085")
+
+
+def test_escaped_quotes_cost_one_pass():
+    """A string of escaped quotes, closed or not: a pattern search for JSON strings retried from
+    each quote took seconds for 40 KB and hours for a MiB."""
+    for size in (2**20, 4 * 2**20):
+        open_ = b'{"completions": ["' + b'\\"' * (size // 2)
+        start = time.perf_counter()
+        with pytest.raises(Rejected, match="Unterminated string") as err:
+            parse_json(open_, Limits())
+        assert err.value.status == 400
+        assert parse_json(open_ + b'"]}', Limits()) == {"completions": ['"' * (size // 2)]}
+        assert time.perf_counter() - start < 5.0  # ~0.01 s here
+
+
+def test_numbers_out_of_range_are_422():
+    for number, message in [
+        ("9" * 5000, "an integer of 5000 digits, over the limit of 4300"),
+        ("-" + "9" * 4301, "an integer of 4301 digits"),
+        ("1e999", "a number out of range: 1e999"),
+        ("-1e400", "a number out of range: -1e400"),
+        ("NaN", "NaN, which is not a JSON number"),
+        ("-Infinity", "-Infinity, which is not a JSON number"),
+    ]:
+        with pytest.raises(Rejected, match=f"^request JSON holds {message}") as err:
+            parse_json(f'{{"samples": [{{"answer": {number}}}]}}'.encode(), Limits())
+        assert err.value.status == 422
+    assert parse_json(b'[' + b"9" * 4300 + b', -1.5e300, 0]', Limits()) == [int("9" * 4300), -1.5e300, 0]
+
+
+def test_header_checks():
+    def refused(headers: dict, token=None, method="POST") -> tuple[int, str] | None:
+        try:
+            check_headers(method, {"CONTENT_TYPE": "application/json", **headers}, token, 8000)
+        except Rejected as err:
+            return err.status, str(err)
+        return None
+
+    here = {"HOST": "127.0.0.1:8000"}
+    assert refused(here) is None and refused({"HOST": "[::1]:8000"}) is None
+    assert refused({**here, "ORIGIN": "http://evil.example"}) == (
+        403, "requests sent by web pages are refused (Origin: 'http://evil.example')")
+    assert refused({**here, "ORIGIN": "null"})[0] == 403  # a sandboxed frame or a file:// page
+    assert refused({**here, "ORIGIN": "http://127.0.0.1:8000"})[0] == 403  # this server serves no pages
+    assert refused({"HOST": "evil.example:8000"}) == (
+        403, "Host 'evil.example:8000' is not this machine: without a token only 127.0.0.1:8000, "
+             "localhost:8000 or [::1]:8000 are answered")
+    assert refused({})[0] == 403  # no Host at all
+    assert refused({**here, "CONTENT_TYPE": "text/plain"}) == (415, "a POST needs 'Content-Type: application/json', got 'text/plain'")
+    assert refused({**here, "CONTENT_TYPE": ""}, method="GET") is None  # a GET sends no body
+    # With a token, the token is the authentication: any Host name, but still no web page.
+    assert refused({"HOST": "rm-host:8000"}, token="t")[0] == 401
+    assert refused({"HOST": "rm-host:8000", "AUTHORIZATION": "Bearer t"}, token="t") is None
+    assert refused({"HOST": "rm-host:8000", "AUTHORIZATION": "Bearer t", "ORIGIN": "http://rm-host"}, token="t")[0] == 403
+
+
+def test_loopback_host_names_and_json_types():
+    for host in ["127.0.0.1:8000", "localhost:8000", "LOCALHOST:8000", "[::1]:8000", "127.0.0.2:8000"]:
+        assert is_loopback_host(host, 8000), host
+    for host in ["127.0.0.1:8001", "127.0.0.1", "localhost", "evil.example:8000", "localhost.:8000",
+                 "localhost.evil.example:8000", "2130706433:8000", "127.1:8000", "localhost:08000", "", None]:
+        assert not is_loopback_host(host, 8000), host
+    assert is_loopback_host("localhost", 80) and is_loopback_host("[::1]", 80)  # HTTP's default port may be left out
+    for kind in ["application/json", "application/json; charset=utf-8", 'Application/JSON;charset="UTF-8"']:
+        assert is_json_type(kind), kind
+    for kind in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "application/jsonx",
+                 "application/json; charset=latin-1", "", None]:
+        assert not is_json_type(kind), kind
+
+
+def test_a_refused_request_is_answered_before_its_body_is_read():
+    """waitress's parser with the header checks: a stranger's large body is not read (the
+    request completes at its headers); a small one is read and dropped, so its client sees
+    the answer rather than a connection reset."""
+    from waitress.adjustments import Adjustments
+
+    from vlrft.rewards.server_http import CheckedParser, Refused
+
+    def check(method, headers):
+        check_headers(method, headers, "s3cret", 8000)
+
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    big = CheckedParser(Adjustments(), check)
+    data = head % 10_000_000 + b"[" * 1000
+    assert big.received(data) == len(data) and big.completed  # all taken, none of it kept as a body
+    assert isinstance(big.error, Refused) and big.error.code == 401 and big.body_bytes_received == 0
+    small = CheckedParser(Adjustments(), check)
+    data = head % 10 + b"[1,"
+    assert small.received(data) == len(head % 10) and small.error is None  # the headers; the body is next
+    assert small.received(b"[1,") == 3 and not small.completed  # read, as the connection would feed it ...
+    small.received(b"2, 3]  ")  # the 10th byte
+    assert small.completed and isinstance(small.error, Refused) and small.error.code == 401  # ... then refused
+    allowed = CheckedParser(Adjustments(), check)
+    data = (head % 2).replace(b"Host: x", b"Authorization: Bearer s3cret") + b"{}"
+    allowed.received(data[allowed.received(data):])
+    assert allowed.completed and allowed.error is None and allowed.let_in
 
 
 def test_body_and_item_limits():

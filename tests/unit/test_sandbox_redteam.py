@@ -371,6 +371,24 @@ def test_forgeries_against_common_test_shapes_score_zero(name):
         assert run_tests(honest.replace("math.isclose = lambda *a, **k: True\n", ""), tests).passed
 
 
+@pytest.mark.parametrize("program", ["", "def pow(a, b):\n    return 0\n", "def pow(a, b):\n    return a ** b\n"])
+def test_tests_that_can_only_check_python_itself_score_zero(program):
+    """A task whose function has a built-in's name: the program's `pow` is not bound for the
+    tests (it could be a forged `abs`), so the tests would check Python's own `pow` and pass
+    any program, the empty one included. Such a verdict fails, saying why."""
+    verdict = run_tests(program, "assert pow(2, 10) == 1024\n")
+    assert not verdict.passed and ("built-in name" in verdict.reason or "none of the program's names" in verdict.reason)
+
+
+def test_text_that_is_not_utf8_fails_inside_not_in_the_launcher():
+    """A lone surrogate (JSON can carry one) in the program, its input or the tests."""
+    lone = "\ud800"
+    assert not run_python(f"print('{lone}')\n").passed
+    assert run_python("import sys\nprint(len(sys.stdin.buffer.read()))\n", stdin=lone).stdout == "3\n"
+    assert not run_tests(f"def add(a, b):\n    return '{lone}'\n", ADD_TESTS).passed
+    assert not run_tests("def add(a, b):\n    return a + b\n", f"assert add(1, 1) == 2  # {lone}\n").passed
+
+
 def test_nothing_but_tmp_is_writable_and_no_unbounded_memory():
     """bwrap's root and /dev are tmpfs without a size; memfd files, SysV shared memory and
     message queues are memory no rlimit counts: all refused."""
@@ -410,9 +428,7 @@ except RuntimeError:
     pass
 print(started)
 """, timeout_s=20)
-    if sandbox._tasks_cgroup_parent() is None and os.geteuid() == 0:
-        pytest.skip("root without a writable pids cgroup: threads are bounded by the address space only")
-    assert 0 < int(result.stdout) < TASKS
+    assert 0 < int(result.stdout) < TASKS  # under root too: the sandbox's user is not root
 
 
 def test_only_local_and_ip_sockets():

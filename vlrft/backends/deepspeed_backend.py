@@ -1,4 +1,5 @@
-"""DeepSpeed training backend (ZeRO 0/2/3). The only vlrft module that imports deepspeed."""
+"""DeepSpeed training backend (ZeRO 0/2/3). The only vlrft module that imports deepspeed (with
+deepspeed_checkpoint.py, which it imports after setting DeepSpeed's environment)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import deepspeed  # noqa: E402  (after the environment above)
 from deepspeed.runtime import compiler as deepspeed_compiler  # noqa: E402
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
+from vlrft.backends.deepspeed_checkpoint import use_weights_only_loads  # noqa: E402
 from vlrft.distributed import backend_name, barrier, rank, role_group, self_group, world_size  # noqa: E402
 
 
@@ -225,6 +227,7 @@ class DeepSpeedBackend:
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config,
             mpu=RoleParallelism(group) if group is not None else None,
         )
+        use_weights_only_loads(self.engine)  # a resume never unpickles code (backends/deepspeed_checkpoint.py)
         self.zero_stage = zero_stage
 
     @property

@@ -104,6 +104,8 @@ def mapped_row(raw: dict, columns: Columns, base: Path) -> dict:
         if first is None:
             raise ColumnError("the row has images but no user message")
         text = first["content"]
+        if not isinstance(text, (str, list)):
+            raise ColumnError("a message's content must be a string or a list of parts")
         rest = [{"type": "text", "text": text}] if isinstance(text, str) else text
         first["content"] = [{"type": "image", "image": image} for image in images[used:]] + rest
     if columns.system_prompt and not any(m["role"] == "system" for m in messages):

@@ -6,16 +6,21 @@ a list of parts {"type": "text", "text"} / {"type": "image", "image": path or by
 a data set's own columns are mapped first (data/columns.py). Image paths are relative to the
 data set's file (or directory) and are resolved (and checked to exist) at load time, so a
 missing file fails before training starts, naming the row and the path. A path that leaves the
-data set's directory and `data.media_roots` is bad input too (data/media.py).
+data set's directory and `data.media_roots` is bad input too (data/media.py), as is a field of
+another type than the schema's (data/row_fields.py); keys the schema does not name are dropped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
+from vlrft.data import row_fields
 from vlrft.data.columns import ColumnError, Columns, mapped_row
-from vlrft.data.media import MediaPaths
+from vlrft.data.media import MediaFile, MediaPaths, shown
+from vlrft.data.row_fields import FieldError
 from vlrft.errors import VlrftError
 
 
@@ -38,9 +43,9 @@ def read_rows(
     a directory an HF `datasets` data set was saved to (`save_to_disk`). Rows without
     "messages" go through the column mapping (data/columns.py); image paths become absolute
     and must stay where `media` allows.
-    With `skip_bad` a bad row (invalid JSON, not an object, a missing field, a missing image)
-    is left out and its problem returned; otherwise it raises. A data set with no valid row
-    raises either way."""
+    With `skip_bad` a bad row (invalid JSON, not an object, a missing field, a field of another
+    type, a missing image) is left out and its problem returned; otherwise it raises. A data
+    set with no valid row raises either way."""
     path = Path(path)
     if path.is_dir():
         raw_rows = enumerate(hf_dataset_rows(path))
@@ -84,11 +89,16 @@ def jsonl_rows(path: Path):
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line.decode("utf-8"))
+                row = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError:
-                yield line_no, DataError(f"{path}:{line_no}: invalid JSON (not UTF-8 text)")
+                row = DataError(f"{path}:{line_no}: invalid JSON (not UTF-8 text)")
             except json.JSONDecodeError as err:
-                yield line_no, DataError(f"{path}:{line_no}: invalid JSON ({err.msg})")
+                row = DataError(f"{path}:{line_no}: invalid JSON ({err.msg})")
+            except RecursionError:  # arrays or objects nested thousands deep
+                row = DataError(f"{path}:{line_no}: invalid JSON (nested too deep to read)")
+            except ValueError as err:  # a number over Python's digit limit (sys.get_int_max_str_digits)
+                row = DataError(f"{path}:{line_no}: invalid JSON ({str(err).split(';')[0]})")
+            yield line_no, row
 
 
 def parquet_rows(path: Path) -> list[dict]:
@@ -113,85 +123,123 @@ def hf_dataset_rows(path: Path) -> list[dict]:
         raise DataError(f"{path}: not a data set saved with save_to_disk ({err})") from None
     if isinstance(data, datasets.DatasetDict):
         raise DataError(f"{path} holds the splits {sorted(data)}: point the path at one of them ({path}/<split>)")
-    return data.with_format("arrow")[:].to_pylist()
+    try:
+        return data.with_format("arrow")[:].to_pylist()
+    except Exception as err:  # noqa: BLE001 - arrow raises several types for data it cannot convert
+        raise DataError(f"{path}: cannot read its rows ({err})") from None
 
 
 def _validate_row(row, path: Path, number: int, columns: Columns, base: Path, media: MediaPaths) -> dict:
-    where = f"{path}:{number} (row id {row.get('id', '?')!r})" if isinstance(row, dict) else f"{path}:{number}"
+    """The canonical row of a raw one, or a DataError naming it: its fields checked
+    (data/row_fields.py) and rebuilt from what the schema allows (other keys of the row, its
+    messages and their parts are dropped)."""
+    where = row_location(row, path, number)
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object")
-    if "messages" not in row:
-        try:
-            row = mapped_row(row, columns, base)
-        except ColumnError as err:
-            raise DataError(f"{where}: {err}") from None
-    for name in REQUIRED_FIELDS:
-        if name not in row:
-            raise DataError(f"{where}: missing required field '{name}'")
-    if not isinstance(row["messages"], list) or not row["messages"]:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
-    row = dict(row)
-    row.setdefault("id", f"{path.stem}-{number}")
-    row.setdefault("data_source", "default")
-    row.setdefault("meta", {})
-    row["answer"] = str(row["answer"])
-    row["messages"] = [_resolve_message(m, base, where, media) for m in row["messages"]]
-    return row
+    try:
+        if row_fields.too_deep(row):
+            raise FieldError(f"nested more than {row_fields.MAX_NESTING} deep")
+        if "messages" not in row:
+            try:
+                row = mapped_row(row, columns, base)
+            except ColumnError as err:
+                raise FieldError(str(err)) from None
+        for name in REQUIRED_FIELDS:
+            if row.get(name) is None:
+                raise FieldError(f"missing required field '{name}'")
+        if not isinstance(row["messages"], list) or not row["messages"]:
+            raise FieldError("'messages' must be a non-empty list of chat messages")
+        return {
+            "id": row_fields.row_id(row.get("id"), f"{path.stem}-{number}"),
+            "messages": [_resolve_message(m, base, where, media) for m in row["messages"]],
+            "answer": row_fields.answer_text(row["answer"]),
+            "data_source": row_fields.data_source(row.get("data_source")),
+            "meta": row_fields.meta(row.get("meta")),
+        }
+    except FieldError as err:
+        raise DataError(f"{where}: {err}") from None
 
 
-def _resolve_message(message: dict, base: Path, where: str, media: MediaPaths) -> dict:
-    if not isinstance(message, dict) or "role" not in message or "content" not in message:
-        raise DataError(f"{where}: each message needs 'role' and 'content'")
+def row_location(row, path: Path, number: int) -> str:
+    """`FILE:LINE (row id 'q1')` for messages; the id only when it is one (a string or an
+    integer, cut when long): a row's id is data too."""
+    where = f"{path}:{number}"
+    if not isinstance(row, dict):
+        return where
+    row_id = row.get("id")
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        return f"{where} (row id '?')"
+    return f"{where} (row id {row_fields.quoted(row_id)})"
+
+
+def _resolve_message(message, base: Path, where: str, media: MediaPaths) -> dict:
+    """A message with only its role and content; its parts checked, media paths resolved."""
+    role = row_fields.role(message)
     content = message["content"]
     if isinstance(content, str):
-        return message
+        return {"role": role, "content": content}
     if not isinstance(content, list):
-        raise DataError(f"{where}: message 'content' must be a string or a list of parts")
+        raise FieldError("message 'content' must be a string or a list of parts")
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image":
+        if kind == "text":
+            parts.append(row_fields.text_part(part))
+        elif kind == "image":
             image = part.get("image")
-            if isinstance(image, bytes) and image:
-                parts.append(part)  # encoded image bytes (parquet, HF data sets): decoded at encoding
+            if isinstance(image, bytes) and image:  # encoded image bytes (parquet, HF data sets): decoded at encoding
+                parts.append({"type": "image", "image": image})
                 continue
             if not isinstance(image, str) or not image:
-                raise DataError(f"{where}: an image part needs an 'image' path or bytes")
-            part = {**part, "image": existing_file(image, base, where, "image", media)}
+                raise FieldError("an image part needs an 'image' path or bytes")
+            parts.append({"type": "image", "image": existing_file(image, base, where, "image", media)})
         elif kind == "video":
-            part = _resolve_video(part, base, where, media)
-        elif kind != "text":
-            raise DataError(f"{where}: content part type must be 'text', 'image' or 'video', got {kind!r}")
-        parts.append(part)
-    return {**message, "content": parts}
+            parts.append(_resolve_video(part, base, where, media))
+        else:
+            raise FieldError(f"content part type must be 'text', 'image' or 'video', got {row_fields.kind(kind)}")
+    return {"role": role, "content": parts}
 
 
-def existing_file(path: str, base: Path, where: str, what: str, media: MediaPaths) -> str:
-    """`path` made absolute (relative to `base`), or a one-line error when it leaves the
-    directories `media` allows (checked first: a refused path's existence is not disclosed) or
-    no such file exists."""
+def existing_file(path: str, base: Path, where: str, what: str, media: MediaPaths) -> MediaFile:
+    """`path` (relative to `base`) resolved, with the root it lies in (data/media.py), or a
+    one-line error when it leaves the directories `media` allows (checked first: a refused
+    path's existence is not disclosed), no such file exists, or the system cannot take the
+    path at all (a NUL byte, a name too long: any OSError or ValueError)."""
     full = Path(path) if Path(path).is_absolute() else base / path
-    if not media.allows(full):
-        raise DataError(f"{where}: {what} path outside the data set's directory and data.media_roots: {full} "
+    try:
+        resolved = media.resolve(full)
+        found = resolved is not None and _is_file(resolved)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: unusable {what} path {shown(full)} ({getattr(err, 'strerror', None) or err})") from None
+    if resolved is None:
+        raise DataError(f"{where}: {what} path outside the data set's directory and data.media_roots: {shown(full)} "
                         "(data.allow_external_media: true allows it)")
-    if not full.is_file():
-        raise DataError(f"{where}: {what} file not found: {full}")
-    return str(full)
+    if not found:
+        raise DataError(f"{where}: {what} file not found: {shown(full)}")
+    return resolved
+
+
+def _is_file(path: str) -> bool:
+    """Whether `path` is a regular file; a name the system refuses (too long) raises OSError."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _resolve_video(part: dict, base: Path, where: str, media: MediaPaths) -> dict:
     """A video part with its file, or each of its frame files, made absolute and checked;
     frames given as bytes stay bytes. `fps`, when given, is a positive number."""
     video = part.get("video")
-    fps = part.get("fps", 1.0)
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
-        raise DataError(f"{where}: a video part's 'fps' must be a positive number, got {fps!r}")
+    checked = {"type": "video"}
+    if "fps" in part:
+        checked["fps"] = row_fields.frame_rate(part["fps"])
     if isinstance(video, str) and video:
-        return {**part, "video": existing_file(video, base, where, "video", media)}
+        return {**checked, "video": existing_file(video, base, where, "video", media)}
     if isinstance(video, list) and video and all(isinstance(f, (str, bytes)) and f for f in video):
-        return {**part, "video": [f if isinstance(f, bytes) else existing_file(f, base, where, "video", media)
-                                  for f in video]}
-    raise DataError(f"{where}: a video part needs 'video': a file path or a non-empty list of frame images")
+        return {**checked, "video": [f if isinstance(f, bytes) else existing_file(f, base, where, "video", media)
+                                     for f in video]}
+    raise FieldError("a video part needs 'video': a file path or a non-empty list of frame images")
 
 
 def message_text(content) -> str:

@@ -12,37 +12,23 @@ because processor classes that insist on a video processor need torchvision.
 from __future__ import annotations
 
 import io
-import math
-import warnings
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from vlrft.data.dataset import DataError, image_sources, parts_of
+from vlrft.data.images import load_rgb_image
+from vlrft.data.media import open_media
 from vlrft.data.video import VIDEO_PAD, Clip, group_timestamps, read_clip, video_placeholder, video_pixels
+from vlrft.data.video_file import VIDEO_DECODE_TIMEOUT_S, VIDEO_MAX_DECODED_PIXELS, VideoFiles
 from vlrft.types import Prompt
 
 IMAGE_PAD = "<|image_pad|>"
 # mm_token_type_ids: 0 text, 1 image, 2 video (the Qwen-VL models' numbering)
 TOKEN_TYPES = {IMAGE_PAD: 1, VIDEO_PAD: 2}
-
-
-def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
-    """An RGB PIL image from a path or a binary file object (fully read, file closed).
-
-    An image over PIL's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`) raises instead of
-    only warning. With `max_pixels`, an image of 4x that or more is first shrunk by an integer
-    box filter to between 1x and 2.25x `max_pixels`, so the image processor (which resizes into
-    `[min_pixels, max_pixels]` anyway) never holds a full-size float copy of a huge photo.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(source) as img:
-            rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
-    factor = math.isqrt(rgb.width * rgb.height // max_pixels) if max_pixels else 1
-    return rgb.reduce(factor) if factor >= 2 else rgb
 
 
 try:  # qwen-vl-utils imports torchvision at import time; use it only where that works.
@@ -77,6 +63,7 @@ class PromptEncoder:
     def __init__(
         self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int,
         max_frames: int = 32, video_max_pixels: int = 128 * 28 * 28, video_refusal: str = "",
+        video_max_decoded_pixels: int = VIDEO_MAX_DECODED_PIXELS, video_decode_timeout_s: float = VIDEO_DECODE_TIMEOUT_S,
     ):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         has_vision = (Path(model_path) / "preprocessor_config.json").is_file()
@@ -87,6 +74,8 @@ class PromptEncoder:
         self.max_frames = max_frames  # frames per video, evenly spaced over the clip
         self.video_max_pixels = video_max_pixels  # per frame
         self.video_refusal = video_refusal  # why a video prompt cannot be used, or "" when it can
+        # Video files: decoded in a worker process, killed at the timeout (data/video_file.py).
+        self.video_files = VideoFiles(video_decode_timeout_s, video_max_decoded_pixels, video_max_pixels)
         has_config = (Path(model_path) / "config.json").is_file()  # not yet while a tiny model warms up
         family = AutoConfig.from_pretrained(model_path).model_type if has_vision and has_config else ""
         # Qwen3-VL writes each frame group's time into the prompt; Qwen2.5-VL takes the seconds
@@ -100,17 +89,22 @@ class PromptEncoder:
         data = cfg.data
         refusal = "" if cfg.rollout.engine == "hf" else f"video prompts need rollout.engine: hf (not {cfg.rollout.engine!r})"
         return cls(cfg.model.path, data.min_pixels, data.max_pixels, data.max_prompt_tokens, data.max_frames,
-                   data.video_max_pixels, refusal)
+                   data.video_max_pixels, refusal, data.video_max_decoded_pixels, data.video_decode_timeout_s)
 
     def load_image(self, source: str | bytes) -> Image.Image:
-        """An image from its path or its encoded bytes (parquet and HF data sets)."""
+        """An image from its path (opened by `open_media`: beneath its root, no symlinks) or its
+        encoded bytes (parquet and HF data sets)."""
+        image = self._read(source, self.max_pixels)
+        if _qwen_fetch_image is not None:  # given the pixels, never the path: it would open the file itself
+            return _qwen_fetch_image({"image": image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
+        return image
+
+    @staticmethod
+    def _read(source: str | bytes, max_pixels: int) -> Image.Image:
         if isinstance(source, bytes):
-            source = load_rgb_image(io.BytesIO(source), max_pixels=self.max_pixels)
-            if _qwen_fetch_image is None:
-                return source
-        if _qwen_fetch_image is not None:
-            return _qwen_fetch_image({"image": source, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
-        return load_rgb_image(source, max_pixels=self.max_pixels)
+            return load_rgb_image(io.BytesIO(source), max_pixels=max_pixels)
+        with open_media(source) as file:
+            return load_rgb_image(file, max_pixels=max_pixels)
 
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
@@ -131,21 +125,24 @@ class PromptEncoder:
             if self.image_processor is None or self.video_refusal:
                 raise DataError(f"{where} has a video: {self.video_refusal or 'the model checkpoint has no image processor'}")
             try:
-                clips.append(read_clip(part, self.max_frames, self.load_video_frame))
+                clips.append(read_clip(part, self.max_frames, self.load_video_frame, self.video_files.read))
             except Exception as err:  # noqa: BLE001 - as for images, decoders raise many types
                 name = part["video"] if isinstance(part["video"], str) else f"{k} ({len(part['video'])} frames)"
                 raise DataError(f"{where}: cannot read video {name} ({err})") from None
         return self.encode_with_images(row, images, index, clips)
 
     def load_video_frame(self, source: str | bytes) -> Image.Image:
-        return load_rgb_image(io.BytesIO(source) if isinstance(source, bytes) else source, max_pixels=self.video_max_pixels)
+        return self._read(source, self.video_max_pixels)
 
     def encode_with_images(self, row: dict, images: list[Image.Image], index: int, clips: list[Clip] = ()) -> Prompt:
         """A row whose image parts are already loaded as `images` and video parts as `clips`
         (each in order) -> Prompt."""
         where = f"row id {row['id']!r}"
         messages = json_safe(row["messages"])
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as err:  # the model's template refuses the messages (`raise_exception`)
+            raise DataError(f"{where}: the chat template refuses its messages ({err})") from None
         mm_inputs = self.image_inputs(images, where) | self._video_inputs(clips, where)
         expanded = self.expand_image_pads(text, mm_inputs, where, len(images))
         expanded = self._expand_video_pads(expanded, mm_inputs, clips, where)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from PIL import Image
 
+from vlrft.data.video_file import decode_video_file, spaced
+
 DEFAULT_FPS = 2.0  # frames per second sampled from a video file (Qwen-VL's default)
-# Source frames a video file may have: the counting pass reads every frame, and a crafted file
-# can claim an endless stream. 108,000 is an hour at 30 frames per second.
-MAX_SOURCE_FRAMES = 108_000
 VIDEO_PAD = "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -32,68 +30,23 @@ class Clip:
     fps: float
 
 
-def read_clip(part: dict, max_frames: int, load_image) -> Clip:
+def read_clip(part: dict, max_frames: int, load_image, read_file=decode_video_file) -> Clip:
     """The frames of a video part: at most `max_frames`, evenly spaced over the source.
-    `load_image` reads one frame given as a path or bytes."""
+    `load_image` reads one frame given as a path or bytes; `read_file(path, fps, max_frames)`
+    a video file (data/video_file.py: in this process by default, the encoder's worker in
+    training)."""
     source = part["video"]
     fps = float(part.get("fps", DEFAULT_FPS))
     if isinstance(source, list):
         indices = spaced(len(source), max_frames)
         frames = [load_image(source[i]) for i in indices]
     else:
-        frames, indices, fps = decode_video_file(source, fps, max_frames)
+        frames, indices, fps = read_file(source, fps, max_frames)
     if not frames:
         raise ValueError("no frames")
     if len({f.size for f in frames}) > 1:
         raise ValueError(f"frames differ in size ({sorted({f.size for f in frames})})")
     return Clip(frames, indices, fps)
-
-
-def spaced(count: int, keep: int) -> list[int]:
-    """`keep` indices evenly spaced over range(count), first and last included (all if fewer)."""
-    if count <= keep:
-        return list(range(count))
-    return np.linspace(0, count - 1, keep).round().astype(int).tolist()
-
-
-def decode_video_file(path: str, fps: float, max_frames: int) -> tuple[list[Image.Image], list[int], float]:
-    """Frames of a video file sampled at `fps` (at most `max_frames`, evenly spaced), with their
-    indices at that rate. Decoded with OpenCV (installed with the vllm extras): a first pass
-    only counts frames (`grab`, no decoding, at most MAX_SOURCE_FRAMES), the second decodes just
-    the kept ones."""
-    try:
-        import cv2
-    except ImportError:
-        raise ValueError("reading a video file needs OpenCV (pip install opencv-python-headless); "
-                         "or give the video as a list of frame images") from None
-    capture = cv2.VideoCapture(path)
-    try:
-        native_fps = capture.get(cv2.CAP_PROP_FPS) or 0.0
-        count = 0
-        while capture.grab():
-            count += 1
-            if count > MAX_SOURCE_FRAMES:
-                raise ValueError(f"longer than {MAX_SOURCE_FRAMES} frames")
-        if not count or not native_fps > 0:  # also a NaN frame rate
-            raise ValueError("cannot decode it (no frames or no frame rate)")
-        step = max(native_fps / fps, 1.0)  # source frames per sampled frame
-        at_rate = [int(k * step) for k in range(int(count / step))] or [0]
-        kept = spaced(len(at_rate), max_frames)
-        wanted = {at_rate[k] for k in kept}
-        capture.release()
-        capture = cv2.VideoCapture(path)  # from the start again (seeking is inexact in some codecs)
-        frames = []
-        for source_index in range(max(wanted) + 1):
-            if not capture.grab():
-                raise ValueError(f"cannot decode it (frame {source_index} of {count})")
-            if source_index in wanted:
-                ok, bgr = capture.retrieve()
-                if not ok:
-                    raise ValueError(f"cannot decode it (frame {source_index} of {count})")
-                frames.append(Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)))
-    finally:
-        capture.release()
-    return frames, kept, native_fps / step
 
 
 def video_pixels(clip: Clip, image_processor, size: dict) -> dict[str, torch.Tensor]:

@@ -103,4 +103,11 @@ def as_step(answer: Any) -> Step:
     images = answer.images
     if not isinstance(images, (list, tuple)) or not all(isinstance(i, (Image.Image, str)) for i in images):
         raise EnvironmentFailure("step's images are not a list of PIL images or image paths")
-    return Step(answer.observation, reward, bool(answer.done), list(images))
+    return Step(as_text(answer.observation), reward, bool(answer.done), list(images))
+
+
+def as_text(observation: str) -> str:
+    """The observation with what UTF-8 cannot hold replaced by U+FFFD: a tool that echoes
+    a call's JSON can pass on a lone surrogate (`"\\ud800"` decodes to one), which the tokenizer
+    and the trajectory files refuse."""
+    return observation.encode("utf-8", "surrogatepass").decode("utf-8", "replace")

@@ -1,88 +1,93 @@
-"""The environments of a rank's trajectories, held in `rollout.environment_workers` worker
-processes (vlrft.workers), so that a timeout really ends a hung construction, reset or step, and
-so that the calls of one turn run at the same time: an environment that waits on something (a
-sandbox, a web page, a simulator) waits once per turn, not once per trajectory.
+"""The environments of a rank's trajectories, each alone in a worker process (vlrft.workers), so
+that a timeout really ends a hung construction, reset or step and costs nothing but that
+trajectory; and so that the calls of one turn run at the same time: an environment that waits
+on something (a sandbox, a web page, a simulator) waits once per turn, not once per trajectory.
 
-Each trajectory's environment lives in one worker (round robin) under a key; construction,
-reset and step are calls into it, each with `rollout.environment_timeout_s`. A worker serves
-one call at a time, from its own thread (`submit`, `each`), so calls into different workers
-overlap, and the rank can go on with other work while they run. A call that times out kills
-its worker: its trajectory fails with the timeout, and every other environment held in that
-worker is lost with it: its trajectory's next call fails in one line naming the call that
-timed out (both count as environment failures). The next construction in that worker starts
-a fresh process. Anything a call returns (a Step with its PIL images) comes back pickled.
+A worker holds one trajectory's environment at a time: a trajectory takes an idle worker (or
+starts one) when its environment is built, and gives it back when it is released; the worker
+then serves a later trajectory, so a rank keeps as many processes as it had trajectories in
+flight at once. Workers are forked from the host's zygote (vlrft.worker_zygote), a fresh
+interpreter that has imported the environment's module: a start costs a millisecond, and the
+imports' memory is shared. Construction, reset and step are calls into the trajectory's
+worker, each with `rollout.environment_timeout_s`; a call that times out kills its worker, and
+with it only its own trajectory's environment (the next construction there forks a fresh
+process). Calls run in a pool of `rollout.environment_workers` threads, that many at a time
+(`submit`, `each`), so the rank can go on with other work while they run; a CPU-bound
+environment or a sandboxed tool is not run by every trajectory at once. Anything a call
+returns (a Step with its PIL images) comes back pickled.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from PIL import Image
+
 from vlrft.multiturn.environment import Environment, EnvironmentFailure, resolve_environment
 from vlrft.isolation.calls import call_in_worker
+from vlrft.worker_zygote import Zygote
 from vlrft.workers import START_TIMEOUT_S, CallFailed, Worker
 
 
 @dataclass(frozen=True)
 class Held:
-    """A trajectory's environment: its key, the worker it lives in and that worker's process."""
+    """A trajectory's environment: its key, the worker holding it and that worker's process."""
 
     key: int
-    worker: int
+    worker: Worker
     generation: int
 
 
 class EnvironmentHost:
-    """Constructs, resets and steps environments `name(**args)` in this rank's worker processes."""
+    """Constructs, resets and steps environments `name(**args)`, each in a worker process of its
+    own; `concurrent_calls` calls run at the same time."""
 
-    def __init__(self, name: str, args: dict, timeout_s: float, workers: int = 1):
+    def __init__(self, name: str, args: dict, timeout_s: float, concurrent_calls: int = 1):
         self.name, self.args, self.timeout_s = name, args, timeout_s
-        self.workers = [Worker(prepare=(load, (name,))) for _ in range(workers)]
+        self.zygote = Zygote(prepare=(load, (name,)))  # what every worker is forked from
+        self.workers: list[Worker] = []  # every worker started, idle or holding an environment
+        self._idle: list[Worker] = []
+        self._lock = threading.Lock()
         self._keys = itertools.count()
-        self._next_worker = 0  # where workers_for's round robin goes on
-        self._lost: dict[tuple[int, int], str] = {}  # (worker, generation) -> the call that ended that process
-        # One thread per worker process: its calls queue there in order, and calls into
-        # different workers run at the same time.
-        self._queues = [ThreadPoolExecutor(1, thread_name_prefix=f"vlrft-environment-{i}") for i in range(workers)]
+        self._calls = ThreadPoolExecutor(concurrent_calls, thread_name_prefix="vlrft-environment")
 
     def probe(self) -> str:
         """Build one environment and drop it: its `observation_role` (default "tool"), or the
         EnvironmentFailure of a bad `environment_args`. Part of starting the first worker, so
         under its start limit, not a call's timeout."""
-        key = next(self._keys)
+        worker, key = self._take(), next(self._keys)
         try:
-            role = self.workers[0].call(construct, (self.name, self.args, key), START_TIMEOUT_S)
+            role = worker.call(construct, (self.name, self.args, key), START_TIMEOUT_S)
         except CallFailed as failure:
+            self._give_back(worker)
             raise EnvironmentFailure(str(failure)) from None
-        self.release([Held(key, 0, self.workers[0].generation)])
+        self.release([Held(key, worker, worker.generation)])  # idle: the first trajectory's worker
         return role
 
-    def submit(self, jobs: list[tuple[int, Callable[[], Any]]]) -> list[Future]:
-        """Start the jobs, each a (worker index, function making calls into that worker), without
-        waiting: one worker's jobs run in order (after what was submitted to it before),
-        different workers' at the same time. Their futures, in the jobs' order."""
-        return [self._queues[worker].submit(job) for worker, job in jobs]
+    def submit(self, jobs: list[Callable[[], Any]]) -> list[Future]:
+        """Start the jobs (functions making calls into environments) without waiting; they run
+        `concurrent_calls` at a time, in order. Their futures, in the jobs' order."""
+        return [self._calls.submit(job) for job in jobs]
 
-    def each(self, jobs: list[tuple[int, Callable[[], Any]]]) -> list[Any]:
+    def each(self, jobs: list[Callable[[], Any]]) -> list[Any]:
         """`submit` the jobs and wait: what each job returned, in the jobs' order; what a job
         raises (a stalled step's CallStalled) is raised here once every job has ended."""
         return results(self.submit(jobs))
 
-    def workers_for(self, count: int) -> list[int]:
-        """The workers of `count` new trajectories: round robin, going on from where the last
-        batch's ended, so that batches in flight at the same time (an asynchronous rollout rank's)
-        spread over the workers instead of queueing in the first ones."""
-        first, self._next_worker = self._next_worker, (self._next_worker + count) % len(self.workers)
-        return [(first + i) % len(self.workers) for i in range(count)]
-
-    def construct(self, what: str, worker: int = 0, budgeted: bool = True) -> Held:
-        """A fresh environment in worker `worker`; its handle. `budgeted`: the step's budget for
-        reward and environment calls may cut this call short (as the other calls' same flag)."""
-        key = next(self._keys)
-        self._call(worker, construct, (self.name, self.args, key), what, budgeted)
-        return Held(key, worker, self.workers[worker].generation)
+    def construct(self, what: str, budgeted: bool = True) -> Held:
+        """A fresh environment in a worker of its own; its handle. `budgeted`: the step's budget
+        for reward and environment calls may cut this call short (as the other calls' same flag)."""
+        worker, key = self._take(), next(self._keys)
+        try:
+            self._call(worker, construct, (self.name, self.args, key), what, budgeted)
+        except BaseException:  # its failure, or the step's budget: the worker is free again
+            self._give_back(worker)
+            raise
+        return Held(key, worker, worker.generation)
 
     def reset(self, held: Held, sample: dict, what: str, budgeted: bool = True) -> None:
         self._call_held(held, reset, (held.key, sample), what, budgeted)
@@ -91,20 +96,20 @@ class EnvironmentHost:
         """What the environment's `step` returned (checked by the caller: environment.as_step)."""
         return self._call_held(held, step, (held.key, action), what, budgeted)
 
-    def release(self, helds: list[Held]) -> None:
-        """Drop finished trajectories' environments from their workers, in each worker's queue
-        (after its calls already queued; not waited for). Outside the step's budget and never a
-        failure: a release that times out kills the worker, which frees them too."""
-        for index in {h.worker for h in helds}:
-            keys = [(h.key, h.generation) for h in helds if h.worker == index]
-            self._queues[index].submit(self._release_in, index, keys)
+    def release(self, helds: list[Held]) -> list[Future]:
+        """Give finished trajectories' workers back for later trajectories, now, and drop their
+        environments there in jobs after those already submitted (their futures: a rollout does
+        not wait for them). A later trajectory's construction that comes first drops it itself,
+        and the release is a no-op. Never a failure: a release that times out kills the worker,
+        which frees the environment too, and the next construction there starts a fresh one."""
+        for held in helds:
+            self._give_back(held.worker)
+        return [self._calls.submit(self._release_in, held) for held in helds]
 
-    def _release_in(self, index: int, keys: list[tuple[int, int]]) -> None:
-        worker = self.workers[index]
-        alive = [key for key, generation in keys if generation == worker.generation]
-        if alive and worker.running:
+    def _release_in(self, held: Held) -> None:
+        if held.generation == held.worker.generation and held.worker.running:
             try:
-                worker.call(release, (alive,), self.timeout_s)
+                held.worker.call(release, (held.key,), self.timeout_s)
             except CallFailed:
                 pass
 
@@ -112,21 +117,29 @@ class EnvironmentHost:
         """End every worker process (they also end with this object and at exit)."""
         for worker in self.workers:
             worker.stop()
-        for queue in self._queues:
-            queue.shutdown(wait=False)
+        self.zygote.stop()
+        self._calls.shutdown(wait=False)
+
+    def _take(self) -> Worker:
+        """An idle worker, or a new one when none is."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            worker = Worker(zygote=self.zygote)
+            self.workers.append(worker)
+            return worker
+
+    def _give_back(self, worker: Worker) -> None:
+        with self._lock:
+            self._idle.append(worker)
 
     def _call_held(self, held: Held, fn: Callable, args: tuple, what: str, budgeted: bool) -> Any:
-        worker = self.workers[held.worker]
-        if held.generation != worker.generation or not worker.running:
-            ended = self._lost.get((held.worker, held.generation), "it was stopped")
-            raise EnvironmentFailure(f"not run: its environment was lost with its worker process ({ended})")
+        if held.generation != held.worker.generation or not held.worker.running:
+            raise EnvironmentFailure("not run: its worker process was stopped")
         return self._call(held.worker, fn, args, what, budgeted)
 
-    def _call(self, index: int, fn: Callable, args: tuple, what: str, budgeted: bool) -> Any:
-        worker = self.workers[index]
+    def _call(self, worker: Worker, fn: Callable, args: tuple, what: str, budgeted: bool) -> Any:
         outcome = call_in_worker(worker, fn, args, self.timeout_s, "environment", what, budgeted)
-        if not worker.running:  # this call ended the worker, and every environment in it
-            self._lost[(index, worker.generation)] = f"{what}: {outcome.failure}"
         if outcome.failure is not None:
             raise EnvironmentFailure(outcome.failure)
         return outcome.value
@@ -139,30 +152,49 @@ def results(futures: list[Future]) -> list[Any]:
     return [future.result() for future in futures]
 
 
-# ---- in the worker: the environments, by key
+# ---- in the worker: the one environment it holds, under its key
 
-_held: dict[int, Environment] = {}
+_held: tuple[int, Environment] | None = None
+_factory: tuple[str, Callable[..., Environment]] | None = None  # (name, what it names), found by `load`
 
 
 def load(name: str) -> None:
-    resolve_environment(name)
+    """In the zygote: what every worker will need, found once for all of them: the environment's
+    factory (its module's top level runs here, once per rank: a file named `file.py:Class`
+    would run again at each construction otherwise), and PIL's plugins of the common image
+    formats (an environment that opens an image would import them in each worker)."""
+    global _factory
+    _factory = (name, resolve_environment(name))
+    Image.preinit()
 
 
 def construct(name: str, args: dict, key: int) -> str:
-    """Build and hold an environment; its observation_role (how the template wraps observations)."""
-    environment = resolve_environment(name)(**args)
-    _held[key] = environment
+    """Build and hold an environment; its observation_role (how the template wraps observations).
+    The environment of the worker's trajectory before is dropped first if its release has not
+    come yet: a worker holds one environment at a time."""
+    global _held
+    _held = None
+    factory = _factory[1] if _factory is not None and _factory[0] == name else resolve_environment(name)
+    environment = factory(**args)
+    _held = (key, environment)
     return getattr(environment, "observation_role", "tool")
 
 
+def _environment(key: int) -> Environment:
+    if _held is None or _held[0] != key:  # never, unless the host lost track of its workers
+        raise LookupError("its environment is not in its worker process")
+    return _held[1]
+
+
 def reset(key: int, sample: dict) -> None:
-    _held[key].reset(sample)
+    _environment(key).reset(sample)
 
 
 def step(key: int, action: str) -> Any:
-    return _held[key].step(action)
+    return _environment(key).step(action)
 
 
-def release(keys: list[int]) -> None:
-    for key in keys:
-        _held.pop(key, None)
+def release(key: int) -> None:
+    global _held
+    if _held is not None and _held[0] == key:
+        _held = None

@@ -1,5 +1,5 @@
 """A multi-turn rollout in flight (`multi_turn_steps` driven a turn at a time): its environment
-calls run in the environment host's worker threads while whoever holds it does other work. An
+calls run in the environment host's threads while whoever holds it does other work. An
 asynchronous rollout rank with partial rollouts holds several (docs/async.md): its batch, and
 the next ones, whose turns it decodes while its batch waits on its environments."""
 

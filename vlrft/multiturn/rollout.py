@@ -28,7 +28,7 @@ from vlrft.types import Prompt, Rollout
 
 @dataclass
 class MultiTurn:
-    environments: EnvironmentHost  # a fresh environment per trajectory, in one of the rank's worker processes
+    environments: EnvironmentHost  # a fresh environment per trajectory, in a worker process of its own
     template: ObservationTemplate
     max_turns: int
     max_tokens: int  # response tokens per trajectory: actions and observations together
@@ -87,10 +87,10 @@ class Trajectory:
         )
 
 
-def start(trajectory: Trajectory, mt: MultiTurn, fields: dict, worker: int) -> None:
-    """A fresh environment for the trajectory in `worker`, reset to its row; a failure ends it unstarted."""
+def start(trajectory: Trajectory, mt: MultiTurn, fields: dict) -> None:
+    """A fresh environment for the trajectory, reset to its row; a failure ends it unstarted."""
     try:
-        trajectory.environment = mt.environments.construct(_call("construction", trajectory), worker, mt.step_budget)
+        trajectory.environment = mt.environments.construct(_call("construction", trajectory), mt.step_budget)
     except EnvironmentFailure as failure:
         return fail(trajectory, f"construction {failure}")
     try:
@@ -126,7 +126,7 @@ def record(trajectory: Trajectory, action: Rollout) -> bool:
 
 
 def take_step(trajectory: Trajectory, mt: MultiTurn) -> Step | EnvironmentFailure:
-    """The environment's answer to the trajectory's last turn (in the worker's thread)."""
+    """The environment's answer to the trajectory's last turn (in one of the host's threads)."""
     try:
         action = trajectory.turns[-1]["action"]
         return as_step(mt.environments.step(trajectory.environment, action, _call("step", trajectory), mt.step_budget))
@@ -181,7 +181,7 @@ def observation_images(shown: list, mt: MultiTurn, row_id: str) -> tuple[str, di
     return mt.encoder.expand_image_pads(mt.template.image_part * len(images), mm_inputs, "", len(images)), mm_inputs, images
 
 
-Calls = list  # a batch of environment calls: [(worker index, function making calls into it)]
+Calls = list  # a batch of environment calls: [function making calls into a trajectory's environment]
 
 
 def multi_turn_steps(
@@ -199,19 +199,17 @@ def multi_turn_steps(
             raise ConfigError(f"row id {with_images.id!r} has images: multi-turn rollouts of image prompts need rollout.engine: hf")
         mt = replace(mt, encoder=None)  # images in observations: refused too (observation_images)
     trajectories = [Trajectory(p, None) for p in prompts for _ in range(params.n)]
-    host = mt.environments
-    yield [(worker, partial(start, t, mt, fields_of(t.prompt), worker))
-           for worker, t in zip(host.workers_for(len(trajectories)), trajectories)]
+    yield [partial(start, t, mt, fields_of(t.prompt)) for t in trajectories]
     for turn in range(mt.max_turns):
         running = [t for t in trajectories if not t.done]
         turn_params = replace(params, n=1, seed=None if params.seed is None else derived_seed(params.seed, turn))
         actions = engine.generate([t.continuation() for t in running], turn_params)
         stepping = [(t, action) for t, action in zip(running, actions) if record(t, action)]
         # The turn's environment calls, at the same time.
-        steps = yield [(t.environment.worker, partial(take_step, t, mt)) for t, _ in stepping]
+        steps = yield [partial(take_step, t, mt) for t, _ in stepping]
         for (t, action), step in zip(stepping, steps):
             answer(t, step, mt, action.response_ids, params.max_new_tokens, last_turn=turn + 1 == mt.max_turns)
-    host.release([t.environment for t in trajectories if t.environment is not None])
+    mt.environments.release([t.environment for t in trajectories if t.environment is not None])
     return [t.rollout() for t in trajectories]
 
 

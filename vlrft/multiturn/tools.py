@@ -3,7 +3,8 @@ the next observation.
 
 A call is written by the policy as
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
-A turn without a call is the final answer: the trajectory ends there. A tool is a plain
+A turn without a call is the final answer: the trajectory ends there (calls are parsed in
+vlrft/multiturn/tool_calls.py; one that cannot be read is answered with why). A tool is a plain
 function taking the call's arguments as keywords and returning text; built-ins are
 `calculator` (exact arithmetic, no eval) and `python` (a program run in the subprocess sandbox,
 its stdout returned). A tool that raises returns its error as the result: the policy sees it,
@@ -13,17 +14,15 @@ as a person at a terminal would.
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import re
 from typing import Callable
 
 from vlrft.errors import ConfigError
 from vlrft.multiturn.environment import Step
+from vlrft.multiturn.tool_calls import parse_tool_calls
 from vlrft.registry import load_callable
 from vlrft.isolation.sandbox import run_python
 
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _OPERATORS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -31,37 +30,11 @@ _OPERATORS = {
 }
 
 
-def parse_tool_calls(text: str) -> list[dict]:
-    """Each <tool_call> of a turn as {"name", "arguments"}; a malformed call becomes
-    {"error": why}, answered as such (the policy learns the format from it)."""
-    calls = []
-    for body in CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append({"error": f"tool call is not JSON ({err.msg})"})
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append({"error": "tool call has no 'name'"})
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some templates send arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            calls.append({"error": f"tool call '{call['name']}' has arguments that are not an object"})
-            continue
-        calls.append({"name": call["name"], "arguments": arguments})
-    return calls
-
-
-# A timeout kills the environment worker the calculator runs in, and with it every other
-# trajectory's environment on the rank; so a hard expression must never reach the timeout:
-# every operation is refused before it runs if its result could be big, which bounds the work
-# of any expression by construction (`(((9**64)**64)**64)**64` has small exponents but huge
-# operands). Results past these bounds are errors the policy sees, as a typo would be.
+# A timeout kills the environment worker the calculator runs in, and ends the trajectory; so a
+# hard expression must never reach the timeout: every operation is refused before it runs if
+# its result could be big, which bounds the work of any expression by construction
+# (`(((9**64)**64)**64)**64` has small exponents but huge operands). Results past these bounds
+# are errors the policy sees, as a typo would be.
 MAX_EXPRESSION_CHARS = 1000
 MAX_DEPTH = 100  # nested operations (a chain `1+1+...` nests one level per operator)
 MAX_EXPONENT = 64
@@ -160,14 +133,19 @@ def resolve_tool(spec: str) -> tuple[str, Callable[..., str]]:
 
 class ToolEnvironment:
     """The `tools` environment: runs the tool calls of each turn; a turn without one ends the
-    trajectory. environment_args: tools (list of names or 'file.py:fn'), max_result_chars."""
+    trajectory. environment_args: tools (list of names or 'file.py:fn'), max_result_chars,
+    max_calls_per_turn (calls past it are answered with an error, not run: a turn of many slow
+    calls would otherwise spend the whole environment timeout, and the step's budget, at once)."""
 
     observation_role = "tool"
     shows_images = False  # tool results are text
 
-    def __init__(self, tools: list[str] = ("calculator",), max_result_chars: int = 1000):
+    def __init__(self, tools: list[str] = ("calculator",), max_result_chars: int = 1000, max_calls_per_turn: int = 4):
+        if not isinstance(max_calls_per_turn, int) or max_calls_per_turn < 1:
+            raise ConfigError(f"environment_args 'max_calls_per_turn' must be a whole number >= 1, got {max_calls_per_turn!r}")
         self.tools = dict(resolve_tool(spec) for spec in tools)
         self.max_result_chars = max_result_chars
+        self.max_calls_per_turn = max_calls_per_turn
 
     def reset(self, sample: dict) -> None:
         pass
@@ -176,7 +154,8 @@ class ToolEnvironment:
         calls = parse_tool_calls(action)
         if not calls:
             return Step("", 0.0, done=True)
-        return Step("\n".join(self.run(call) for call in calls))
+        over = f"error: more than {self.max_calls_per_turn} tool calls in one turn; this one was not run"
+        return Step("\n".join(self.run(call) if i < self.max_calls_per_turn else over for i, call in enumerate(calls)))
 
     def run(self, call: dict) -> str:
         if "error" in call:

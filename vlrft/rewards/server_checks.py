@@ -1,16 +1,21 @@
 """The reward server's guards as pure functions: who may start it, who may call it, and how
-big a request may be. vlrft.rewards.server turns a `Rejected` into a JSON 4xx answer.
+big a request may be. vlrft.rewards.server (and server_http, for the checks made on the headers
+before any of the body is read) turns a `Rejected` into a JSON 4xx answer.
 
-Status codes: 400 not UTF-8 JSON, 401 no or wrong token, 413 over a limit (the message names
-the flag), 422 valid JSON that is not a valid request (the message names the item).
+Status codes: 400 not UTF-8 JSON, 401 no or wrong token, 403 sent by a web page (an Origin, or
+without a token a Host that is not this machine), 413 over a limit (the message names the flag),
+415 a POST that is not `application/json`, 422 valid JSON that is not a valid request (the
+message names the item; a number out of range).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
+import math
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -19,11 +24,6 @@ from vlrft.errors import ConfigError
 from vlrft.isolation.sandbox import check_can_run_code, runs_code
 
 TOKEN_ENV = "VLRFT_REWARD_TOKEN"
-
-# A JSON string, escapes included (the unrolled form keeps the regex engine in C loops).
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(b for b in range(128) if chr(b) not in "[]{}") + bytes(range(128, 256))
-_CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
 
 
 class Rejected(Exception):
@@ -62,16 +62,19 @@ class ServerOptions:
     token: str | None = None
     allow_code_recipe: bool = False
     unsafe_no_isolation: bool = False  # run a code recipe where bubblewrap is missing
-    max_connections: int = 32  # open connections (waitress); more wait in the listen backlog
-    backlog: int = 64
+    max_connections: int = 128  # open connections; at the cap the oldest not let in is closed (server_http.py)
+    backlog: int = 1024  # the kernel's accept queue (capped by net.core.somaxconn): server_http.py
+    read_timeout_s: float = 30.0  # a request's headers and body, from its first byte
+    max_code_seconds: float = 60.0  # a code recipe's call: all of a request's programs and tests
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
         for name in ("threads", "max_connections", "backlog"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"reward server: {name} must be at least 1, got {getattr(self, name)}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"reward server: timeout_s must be positive, got {self.timeout_s}")
+        for name in ("timeout_s", "read_timeout_s", "max_code_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"reward server: {name} must be positive, got {getattr(self, name)}")
 
 
 def is_loopback(host: str) -> bool:
@@ -119,6 +122,13 @@ def check_start(host: str, token: str | None, recipe: str, fn: Callable, allow_c
         )
 
 
+def loggable(text: str, limit: int = 120) -> str:
+    """What a client sent, for the server's one-line log: its first `limit` characters with
+    every unprintable one escaped as repr escapes it (a newline cannot start a forged log line,
+    an escape sequence cannot drive the operator's terminal), "..." when cut."""
+    return repr(text[:limit])[1:-1] + ("..." if len(text) > limit else "")
+
+
 def check_token(header: str | None, token: str | None) -> None:
     """401 unless the Authorization header is `Bearer <token>` (constant-time compare)."""
     if token is None:
@@ -134,53 +144,140 @@ def check_body_length(length: int | None, limits: Limits) -> None:
                             f"{limits.max_body_bytes} (--max-body-mb)")
 
 
-def json_structure(text: str) -> bytes:
-    """The JSON text with every string cut out: what is left is brackets, commas, colons,
-    numbers and literals. (UTF-8 multi-byte sequences hold no ASCII bytes: nothing is invented.)"""
-    return _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
+def check_headers(method: str, headers: Mapping[str, str], token: str | None, port: int) -> None:
+    """Refusals decided from the request line and headers alone, before any of the body is read.
+    `headers` are named as waitress names them (HOST, ORIGIN, AUTHORIZATION, CONTENT_TYPE).
+
+    - Any `Origin` is refused (403): this server serves no pages, so an Origin means a browser is
+      sending the request for some web page; our clients send none.
+    - Without a token, the `Host` must be this machine's loopback with the server's port (403):
+      a web page whose DNS name was pointed at 127.0.0.1 (DNS rebinding) sends its own name.
+      With a token the token is the authentication, and any name may reach the server.
+    - The token (401), then `Content-Type: application/json` on a POST (415): a browser cannot
+      send that type across sites without a preflight, which this server never grants."""
+    origin = headers.get("ORIGIN")
+    if origin is not None:
+        raise Rejected(403, f"requests sent by web pages are refused (Origin: {origin!r:.80})")
+    if token is None and not is_loopback_host(headers.get("HOST"), port):
+        raise Rejected(403, f"Host {headers.get('HOST')!r:.80} is not this machine: without a token only "
+                            f"127.0.0.1:{port}, localhost:{port} or [::1]:{port} are answered")
+    check_token(headers.get("AUTHORIZATION"), token)
+    if method == "POST" and not is_json_type(headers.get("CONTENT_TYPE")):
+        raise Rejected(415, f"a POST needs 'Content-Type: application/json', got {headers.get('CONTENT_TYPE')!r:.80}")
 
 
-def nesting_exceeds(structure: bytes, max_depth: int) -> bool:
-    """True when arrays/objects nest deeper than `max_depth`, found without recursion, so
-    `json.loads` never recurses deep: the running depth is a cumulative sum over the brackets,
-    one kind (a mismatched closer is a syntax error json stops at). Unbalanced brackets are
-    left to json.loads to report: it stops at the first extra closer, and never goes deeper
-    than the running depth before it."""
-    import numpy as np
+def is_loopback_host(value: str | None, port: int) -> bool:
+    """True for a Host header naming a loopback address (localhost or an IP literal) with
+    `port`; the port may be left out only where it is 80, HTTP's default."""
+    if not value:
+        return False
+    if value.endswith("]") or ":" not in value:
+        host, given = value, None
+    else:
+        host, _, given = value.rpartition(":")
+    if (given is None and port != 80) or (given is not None and given != str(port)):
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host.lower() == "localhost" or _is_loopback_ip(host)
 
-    brackets = structure.translate(_CURLY_TO_SQUARE, _NOT_BRACKETS)
-    depth = 0
-    for start in range(0, len(brackets), 1 << 20):  # 1 MiB at a time: bounded scratch memory
-        chunk = np.frombuffer(brackets, np.uint8, min(1 << 20, len(brackets) - start), start)
-        running = np.cumsum(1 - 2 * (chunk == ord("]")), dtype=np.int64) + depth  # [chunk] depth after each
-        if running.max() > max_depth:
-            return True
-        if running.min() < 0:  # an extra closer: json.loads stops there
+
+def _is_loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_json_type(value: str | None) -> bool:
+    """`application/json`, with parameters or not (a charset, if given, must be UTF-8)."""
+    kind, _, params = (value or "").partition(";")
+    if kind.strip().lower() != "application/json":
+        return False
+    for param in params.split(";"):
+        name, _, given = param.partition("=")
+        if name.strip().lower() == "charset" and given.strip().strip('"').lower() not in ("utf-8", "utf8"):
             return False
-        depth = int(running[-1])
-    return False
+    return True
 
 
-def json_values(structure: bytes) -> int:
-    """About how many values the JSON holds (one more than its commas, plus its containers):
-    each becomes a Python object of 30-60 bytes, so this bounds memory better than bytes do."""
-    return structure.count(b",") + structure.count(b"[") + structure.count(b"{") + 1
+# A body is parsed by the standard library's json: a maintained parser, in C, one pass, linear
+# in the body (a pattern search for strings, retried from each quote, was quadratic on escaped
+# quotes). Numbers go through hooks that refuse what cannot be represented; nesting deeper than
+# the interpreter's recursion limit stops json itself (RecursionError), and an iterative walk
+# of the result checks --max-json-depth and --max-json-values. Not a streaming parser (none in
+# the standard library; ijson would be a dependency and a Python loop per value): the parse
+# builds its objects before the walk counts them (the walk itself holds one iterator per level),
+# so vlrft.rewards.server parses one body at a time, and only a request whose headers passed
+# the checks is parsed at all. Measured on the server, 16 MiB bodies: `[{},{},...]` +419 MB
+# (about 25 bytes per body byte), arrays nested one in another (`[[[...]]]`) +803 MB (about 50,
+# the most we found: a list object per 2 bytes).
+MAX_INT_DIGITS = 4300  # Python's own limit for int(text) (sys.int_info.default_max_str_digits)
 
 
-def check_json_text(raw: bytes, limits: Limits) -> str:
-    """The body as text, if it is UTF-8, nests no deeper and holds no more values than the limits."""
+def parse_json(raw: bytes, limits: Limits):
+    """The body parsed, if it is UTF-8 JSON within the depth and value limits, its numbers in range."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise Rejected(400, f"request body is not UTF-8 ({err.reason} at byte {err.start})") from None
-    structure = json_structure(text)
-    if nesting_exceeds(structure, limits.max_json_depth):
-        raise Rejected(413, f"request JSON nests deeper than {limits.max_json_depth} levels (--max-json-depth)")
-    values = json_values(structure)
-    if values > limits.max_json_values:
-        raise Rejected(413, f"request JSON holds about {values} values, over the limit of "
-                            f"{limits.max_json_values} (--max-json-values)")
-    return text
+    try:
+        body = json.loads(text, parse_int=_integer, parse_float=_float, parse_constant=_constant)
+    except RecursionError:
+        raise _too_deep(limits) from None
+    except json.JSONDecodeError as err:
+        raise Rejected(400, f"request body is not JSON ({err})") from None
+    check_json_shape(body, limits)
+    return body
+
+
+def check_json_shape(body, limits: Limits) -> None:
+    """413 when arrays/objects nest deeper than --max-json-depth (the outermost is level 1) or
+    the body holds more than --max-json-values values (containers, strings, numbers, literals;
+    object keys aside). Counted while walking, one iterator per level open (a loop, not
+    recursion): the walk holds nothing per value, so it adds next to nothing to the memory the
+    parse took, and stops at the first value over a limit."""
+    if not isinstance(body, (list, dict)):
+        return
+    count, open_levels = 1, [_children(body)]  # the depth of a child is len(open_levels) + 1
+    while open_levels:
+        for child in open_levels[-1]:
+            count += 1
+            if count > limits.max_json_values:
+                raise Rejected(413, f"request JSON holds more than {limits.max_json_values} values (--max-json-values)")
+            if isinstance(child, (list, dict)):
+                if len(open_levels) + 1 > limits.max_json_depth:
+                    raise _too_deep(limits)
+                open_levels.append(_children(child))
+                break  # on into the child; this level's iterator goes on where it stopped
+        else:
+            open_levels.pop()
+
+
+def _children(container):
+    return iter(container.values() if isinstance(container, dict) else container)
+
+
+def _too_deep(limits: Limits) -> Rejected:
+    return Rejected(413, f"request JSON nests deeper than {limits.max_json_depth} levels (--max-json-depth)")
+
+
+def _integer(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise Rejected(422, f"request JSON holds an integer of {digits} digits, over the limit of {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise Rejected(422, f"request JSON holds a number out of range: {text:.40}")
+    return value
+
+
+def _constant(name: str):
+    raise Rejected(422, f"request JSON holds {name}, which is not a JSON number")
 
 
 def check_request(body, limits: Limits) -> tuple[list[str], list[dict]]:

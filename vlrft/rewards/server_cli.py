@@ -29,8 +29,14 @@ def add_reward_server_guards(parser: argparse.ArgumentParser) -> None:
     add("--max-json-values", type=int, default=_DEFAULTS.max_json_values,
         help="most JSON values (numbers, strings, arrays, objects) per request")
     add("--max-connections", type=int, default=_OPTIONS.max_connections,
-        help="open connections; further ones wait in the listen backlog")
-    add("--backlog", type=int, default=_OPTIONS.backlog, help="connections the kernel queues beyond those")
+        help="open connections; past it each new one closes the one waiting longest without a request "
+             "let in (else the slowest upload)")
+    add("--backlog", type=int, default=_OPTIONS.backlog,
+        help="connections the kernel queues until the server accepts them (capped by net.core.somaxconn)")
+    add("--read-timeout-s", type=float, default=_OPTIONS.read_timeout_s,
+        help="seconds for a request's headers and body to arrive, from its first byte; idle connections close after it")
+    add("--max-code-seconds", type=float, default=_OPTIONS.max_code_seconds,
+        help="a code recipe: seconds for all of a request's programs and tests (then killed, 413)")
 
 
 def reward_server_options(args: argparse.Namespace) -> ServerOptions:
@@ -43,5 +49,6 @@ def reward_server_options(args: argparse.Namespace) -> ServerOptions:
         host=args.host, port=args.port, threads=args.threads, timeout_s=args.timeout_s,
         token=read_token(args.token_file), allow_code_recipe=args.allow_code_recipe,
         unsafe_no_isolation=args.unsafe_no_isolation,
-        max_connections=args.max_connections, backlog=args.backlog, limits=limits,
+        max_connections=args.max_connections, backlog=args.backlog, read_timeout_s=args.read_timeout_s,
+        max_code_seconds=args.max_code_seconds, limits=limits,
     )

@@ -6,11 +6,17 @@ import base64
 import binascii
 import io
 import warnings
+from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-# What a sender may put under "png_base64": our client sends PNG; fewer decoders, less to attack.
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# What a sender may put under "png_base64" (our client sends PNG): the formats data sets' images
+# are read in, one list for both.
+from vlrft.data.images import IMAGE_FORMATS, MAX_JPEG_SCANS, jpeg_scans
+
+# Each image counts at least this many pixels toward a request's pixel limit: a request of
+# thousands of 1x1 images costs memory per image object, not per pixel.
+MIN_IMAGE_PIXELS = 64 * 64
 
 
 class WireError(ValueError):
@@ -38,25 +44,43 @@ def encode_samples(samples: list[dict]) -> list[dict]:
 
 def decode_samples(samples: list[dict], max_image_pixels: int | None = None,
                    max_request_pixels: int | None = None) -> list[dict]:
-    """The inverse of encode_samples: images back to RGB PIL images. Every image's size is read
-    from its header first, so an image (or all of them together) over a pixel limit is refused
-    before any is decoded: a 78 KB PNG can declare a quarter of a gigabyte of pixels."""
-    opened, total = [], 0
+    """The inverse of encode_samples: images back to RGB PIL images (check_samples, then
+    decode_checked)."""
+    return decode_checked(check_samples(samples, max_image_pixels, max_request_pixels))
+
+
+def check_samples(samples: list[dict], max_image_pixels: int | None = None,
+                  max_request_pixels: int | None = None) -> list[dict]:
+    """The samples with each image's header read and checked, none of them decoded: each image
+    becomes a CheckedImage (its bytes and size). An image (or all of them together) over a
+    pixel limit is refused before any is decoded: a 78 KB PNG can declare a quarter of a
+    gigabyte of pixels. Each image counts at least MIN_IMAGE_PIXELS; its metadata (PNG text
+    chunks, which Pillow inflates as it reads them: up to 64 MiB an image) is dropped as soon
+    as it is read, one image at a time, and a JPEG of more than MAX_JPEG_SCANS scans (each a
+    pass over the whole image) is refused."""
+    out, total = [], 0
     for i, sample in enumerate(samples):
         images = sample.get("images", [])
         if not isinstance(images, list):
             raise WireError(f"sample {i}: 'images' must be a list")
-        headers = [_open(img, f"sample {i} image {k}", max_image_pixels) for k, img in enumerate(images)]
-        total += sum(img.width * img.height for img in headers)
+        checked = [_open(img, f"sample {i} image {k}", max_image_pixels) for k, img in enumerate(images)]
+        total += sum(max(img.width * img.height, MIN_IMAGE_PIXELS) for img in checked)
         if max_request_pixels is not None and total > max_request_pixels:
             raise PixelLimitError(f"the request's images hold over {max_request_pixels} pixels "
                                   f"(--max-request-pixels), {total} by sample {i}")
-        opened.append(headers)
+        out.append({**sample, "images": checked} if "images" in sample else dict(sample))
+    return out
+
+
+def decode_checked(samples: list[dict]) -> list[dict]:
+    """check_samples' output with every image decoded to RGB (WireError for pixel data that
+    does not decode). The server runs this where its recipe runs: in a worker process that its
+    timeout kills, so a slow decode costs only its own request."""
     out = []
-    for i, (sample, headers) in enumerate(zip(samples, opened)):
+    for i, sample in enumerate(samples):
         item = dict(sample)
         if "images" in item:
-            item["images"] = [_decode(img, f"sample {i} image {k}") for k, img in enumerate(headers)]
+            item["images"] = [_decode(img, f"sample {i} image {k}") for k, img in enumerate(item["images"])]
         out.append(item)
     return out
 
@@ -67,30 +91,49 @@ def _png(image: Image.Image) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _open(encoded, where: str, max_pixels: int | None) -> Image.Image:
-    """The image with only its header read, its size checked."""
+@dataclass(frozen=True)
+class CheckedImage:
+    """An image whose header passed the checks: its bytes and size (the parsed image is not
+    kept: its metadata, inflated, is dropped with it)."""
+
+    raw: bytes
+    width: int
+    height: int
+
+
+def _open(encoded, where: str, max_pixels: int | None) -> CheckedImage:
+    """The image's header read and its size checked; nothing of it kept but its bytes."""
     if not isinstance(encoded, dict) or not isinstance(encoded.get("png_base64"), str):
         raise WireError(f"{where}: must be {{'png_base64': str}}")
     try:
         raw = base64.b64decode(encoded["png_base64"], validate=True)
     except binascii.Error as err:
         raise WireError(f"{where}: png_base64 is not valid base64 ({err})") from None
+    with _opened(raw, where) as image:
+        width, height, kind = image.width, image.height, image.format
+    if max_pixels is not None and width * height > max_pixels:
+        raise PixelLimitError(f"{where}: {width}x{height} is over the limit of {max_pixels} pixels (--max-image-pixels)")
+    if kind == "JPEG" and jpeg_scans(io.BytesIO(raw)) > MAX_JPEG_SCANS:
+        raise PixelLimitError(f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans (each decodes the whole image again)")
+    return CheckedImage(raw, width, height)
+
+
+def _opened(raw: bytes, where: str) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+            return Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise PixelLimitError(f"{where}: {err}") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
         raise WireError(f"{where}: not a {'/'.join(IMAGE_FORMATS)} image ({err})") from None
-    if max_pixels is not None and image.width * image.height > max_pixels:
-        raise PixelLimitError(f"{where}: {image.width}x{image.height} is over the limit of "
-                              f"{max_pixels} pixels (--max-image-pixels)")
-    return image
 
 
-def _decode(image: Image.Image, where: str) -> Image.Image:
-    try:
-        return image.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
-        raise WireError(f"{where}: cannot decode ({err})") from None
+def _decode(checked: CheckedImage, where: str) -> Image.Image:
+    with _opened(checked.raw, where) as image:
+        try:
+            rgb = image.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
+            raise WireError(f"{where}: cannot decode ({err})") from None
+    rgb.info.clear()  # PNG text chunks, inflated: not kept with the pixels
+    return rgb

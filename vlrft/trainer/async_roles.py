@@ -42,8 +42,9 @@ from vlrft.distributed import (
 from vlrft.distributed import world_size as role_world_size
 from vlrft.multiturn.in_flight import InFlight
 from vlrft.rank_watch import rank_ranges
-from vlrft.trainer.checkpoint import checkpoint_dir, load_state, rng_state, set_rng_state
+from vlrft.trainer.checkpoint import checkpoint_dir, rng_state, set_rng_state
 from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
+from vlrft.trainer.checkpoint_read import load_state, restoring
 from vlrft.trainer.dynamic_sampling import draw_prompts, round_seed
 from vlrft.trainer.weights_delivery import POLL_S, WEIGHTS_SOURCE, take_version
 
@@ -129,19 +130,24 @@ def rollout_rank_state(trainer) -> dict:
     rank's rank file (the rollout ranks take no part in saving). Batches started ahead were
     never trained: a resumed run draws their prompts again."""
     ahead = trainer.started_ahead
-    return {"rng": rng_state(), "prompts_consumed": ahead[0].consumed_before if ahead else trainer.sampler.consumed}
+    return {"rng": rng_state(), "prompts_consumed": ahead[0].consumed_before if ahead else trainer.sampler.consumed,
+            "dropped_rows": sorted(trainer.bad_input.dropped_rows)}
 
 
 def resume_rollout_rank(trainer, path) -> None:
     """A rollout rank resumes from a checkpoint: the prompt position and random streams it had
     right after generating the checkpoint's step, and the checkpoint's policy from trainer rank
     0 (the batches it had generated beyond that step were never trained: it generates them again)."""
-    step = load_state(path / "trainer.pt")["step"]
-    mine = load_state(path / f"rank{global_rank()}.pt")
+    trainer_file, rank_file = path / "trainer.pt", path / f"rank{global_rank()}.pt"
+    step = load_state(trainer_file, mmap=True)["step"]  # (checked by rank 0: checkpoint.check_checkpoint)
+    mine = load_state(rank_file)
     trainer.global_step = step
-    trainer.sampler.consumed = mine["prompts_consumed"]
+    with restoring(rank_file):
+        trainer.sampler.consumed = mine["prompts_consumed"]
+        trainer.bad_input.dropped_rows = set(mine.get("dropped_rows", ()))
     trainer.weights_version = take_version(trainer, VersionBoard(), step, lambda: None)
-    set_rng_state(mine["rng"])
+    with restoring(rank_file):
+        set_rng_state(mine["rng"])
 
 
 def run_role(trainer) -> list[tuple[int, float]]:

@@ -17,25 +17,40 @@ temporaries are never picked up and are deleted by the next save. Files and dire
 fsynced before the rename and the parent after it: after a power loss a `step_NNNNNN` that
 exists is complete, not a directory of empty files.
 
-The `.pt` files hold tensors and plain Python data only and load with `weights_only=True`:
-resuming from a directory never runs code pickled into it.
+Every file a resume reads loads with `weights_only=True`: resuming from a directory never runs
+code pickled into it. vlrft's own `.pt` files hold tensors and plain Python data only;
+DeepSpeed's (policy/, critic/) also the few DeepSpeed classes of DEEPSPEED_STATE_CLASSES
+(trainer/checkpoint_read.py), which vlrft's checkpoint engine allows and nothing else
+(backends/deepspeed_checkpoint.py).
+
+Before anything is discarded or any rank loads a file, rank 0 checks everything the resume will
+read (`check_checkpoint`): the tree holds regular files and directories only (walked without
+following links), every pickle unpickles within PROBE_TIMEOUT_S in a killable worker with
+nothing but allow-listed names (trainer/checkpoint_probe.py), and every field the resume uses
+from trainer.pt and the rank files has its type and shape (trainer/checkpoint_state.py). A
+refused checkpoint stops every rank with the same line; each rank checks again where it opens
+its files, and a failure while restoring what it loaded is one line naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from vlrft.distributed import broadcast_from_rank0
 from vlrft.errors import ConfigError
+from vlrft.trainer.checkpoint_read import DEEPSPEED_STATE_DIRS, PickleProbe, checkpoint_files, load_state
+from vlrft.trainer.checkpoint_state import rank_state_problem, restore_rng, trainer_state_problem
+from vlrft.trainer.weights_delivery import role_ranks
+from vlrft.trajectory.records import TRAJECTORY_NAME
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -130,8 +145,9 @@ def discard_after(run_dir: Path, step: int, evaluation_at_step: bool = False) ->
         if int(STEP_DIR.match(later.name)[1]) > step:
             shutil.rmtree(later, ignore_errors=True)
     trajectories = Path(run_dir) / "trajectories"
-    for saved in trajectories.glob("step_*.rank*.jsonl") if trajectories.is_dir() else []:
-        if int(saved.name[len("step_") :].split(".")[0]) > step:
+    for saved in trajectories.iterdir() if trajectories.is_dir() else []:
+        named = TRAJECTORY_NAME.fullmatch(saved.name)  # a name vlrft did not write is not its to delete
+        if named and int(named[1]) > step and not saved.is_dir():
             saved.unlink()
     truncate_metrics_after(Path(run_dir) / "metrics.jsonl", step, evaluation_at_step)
 
@@ -148,10 +164,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
+    restore_rng(state, random, np.random, torch.default_generator)  # (torch.set_rng_state's generator)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -179,18 +192,10 @@ def truncate_metrics_after(path: Path, step: int, evaluation_at_step: bool = Fal
     os.replace(temporary, path)
 
 
-def load_state(path: Path) -> dict:
-    """A checkpoint `.pt` file, tensors and plain data only (`weights_only`, no allow-list
-    needed): a file carrying anything else is refused, never executed."""
-    try:
-        # On the CPU first: each tensor then goes to this rank's device as it is restored.
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as err:
-        culprit = re.search(r"GLOBAL (\S+)", str(err))  # torch's message is many lines, with bad advice
-        what = f"{culprit[1]}, not only tensors and plain data" if culprit else "objects other than tensors and plain data"
-        raise ConfigError(f"refusing to load checkpoint file {path}: it holds {what} (not written by vlrft, or tampered with)") from None
-    except (OSError, RuntimeError, EOFError) as err:
-        raise ConfigError(f"checkpoint file {path} cannot be read: {str(err).splitlines()[0]}") from None
+# A probe unpickles one pickle of at most 64 MiB (checkpoint_probe.MAX_PICKLE_BYTES): a real one
+# takes milliseconds (docs/checkpoints.md); the limits only end one that is not vlrft's.
+PROBE_TIMEOUT_S = 60.0
+PROBE_MEMORY_BYTES = 4 << 30
 
 
 # Keys whose value is baked into a checkpoint's state: resuming with another value would
@@ -201,19 +206,26 @@ STATE_SHAPING_KEYS = ("model.path", "train.seed", "train.ema_beta", "algo.kl.coe
                       "train.mode", "rollout.ranks")
 # Keys newer than some checkpoints: a config saved before them had their default.
 DEFAULT_IF_ABSENT = {"train.mode": "sync", "rollout.ranks": 0}
+PLAIN = (str, int, float, bool, type(None))  # a config value's types
+ABSENT = object()  # a saved config's missing key: equal to no value
 
 
 def changed_state_keys(saved: dict, current: dict) -> list[str]:
-    """The STATE_SHAPING_KEYS whose values differ between two `to_dict` configs."""
+    """The STATE_SHAPING_KEYS whose values differ between two `to_dict` configs (`saved` read
+    from a checkpoint: a key missing there, or not a plain value, differs)."""
 
-    def value(cfg: dict, key: str):
+    def value(cfg: Any, key: str):
         for part in key.split("."):
-            if part not in cfg and key in DEFAULT_IF_ABSENT:
-                return DEFAULT_IF_ABSENT[key]
+            if not isinstance(cfg, dict) or part not in cfg:
+                return DEFAULT_IF_ABSENT.get(key, ABSENT)
             cfg = cfg[part]
         return cfg
 
-    return [key for key in STATE_SHAPING_KEYS if value(saved, key) != value(current, key)]
+    def same(key: str) -> bool:
+        old = value(saved, key)
+        return isinstance(old, PLAIN) and old == value(current, key)
+
+    return [key for key in STATE_SHAPING_KEYS if not same(key)]
 
 
 def check_resumable(path: Path, state: dict, config: dict, world_size: int) -> None:
@@ -229,25 +241,59 @@ def check_resumable(path: Path, state: dict, config: dict, world_size: int) -> N
             f"checkpoint {path} was written by {state['world_size']} ranks; resume it with the same number "
             f"(this run has {world_size})"
         )
-    missing = [name for name in [f"rank{r}.pt" for r in range(world_size)] + ["policy"] if not (path / name).exists()]
+    rank_files = [f"rank{r}.pt" for r in range(world_size)]
+    state_dirs = DEEPSPEED_STATE_DIRS[: 1 + bool(config["critic"]["enabled"])]
+    missing = [name for name in rank_files if not (path / name).is_file()] + [d for d in state_dirs if not (path / d).is_dir()]
     if missing:
         raise ConfigError(f"checkpoint {path} is incomplete: no {', '.join(missing)}")
+
+
+def check_checkpoint(path: Path, config: dict, world_size: int) -> int:
+    """Check everything a resume from `path` will read, on rank 0, before anything is discarded or
+    any rank loads a file (a refusal is a one-line ConfigError naming the file); the
+    checkpoint's step. The tree (`checkpoint_files`: no links, no special files), then each
+    pickle in a killable worker (`PickleProbe`) before this process loads it, then what
+    trainer.pt and each rank file hold (trainer/checkpoint_state.py) and whether this run can
+    resume from them (`check_resumable`)."""
+    files = checkpoint_files(path)
+    trainer_file = path / "trainer.pt"
+    if trainer_file not in files:
+        raise ConfigError(f"checkpoint {path} is incomplete: no trainer.pt")
+    with PickleProbe(PROBE_TIMEOUT_S, PROBE_MEMORY_BYTES) as probe:
+        probe.check(trainer_file, deepspeed=False)
+        state = load_state(trainer_file, mmap=True)  # probed: it unpickles in time; its tensors stay unread
+        refuse_if(trainer_file, "trainer state", trainer_state_problem(state, config))
+        check_resumable(path, state, config, world_size)
+        rank_files = [path / f"rank{r}.pt" for r in range(world_size)]
+        for rank_file in rank_files:
+            probe.check(rank_file, deepspeed=False)
+        for file in files:
+            if file.suffix == ".pt" and file.relative_to(path).parts[0] in DEEPSPEED_STATE_DIRS:
+                probe.check(file, deepspeed=True)
+    asynchronous = config["train"]["mode"] == "async"
+    rollouts = role_ranks(config["rollout"]["ranks"], world_size)[0] if asynchronous else []
+    for r, rank_file in enumerate(rank_files):
+        refuse_if(rank_file, "rank state", rank_state_problem(load_state(rank_file), trains=r not in rollouts))
+    return state["step"]
+
+
+def refuse_if(path: Path, what: str, problem: str | None) -> None:
+    if problem:
+        raise ConfigError(f"checkpoint file {path} is not a vlrft {what}: {problem}")
 
 
 def resume_decision(resume: str, out_dir: Path, rank: int, config: dict, world_size: int) -> tuple[Path | None, int]:
     """(checkpoint to resume from or None, its step), decided by rank 0 and broadcast: ranks on
     different nodes may see a shared file system at different moments, and must not disagree
-    on whether to resume. The checkpoint is validated against `config` (a `to_dict` config)
-    here, before the caller discards anything after it; a bad `checkpoint.resume` or a refused
-    resume fails on every rank with rank 0's message."""
+    on whether to resume. The checkpoint is checked (`check_checkpoint`) here, before the caller
+    discards anything after it; a bad `checkpoint.resume` or a refused resume fails on every rank
+    with rank 0's message."""
     decision: tuple = (None, 0, "")
     if rank == 0:
         try:
             path = resume_path(resume, out_dir)
-            if path is not None:
-                state = load_state(path / "trainer.pt")
-                check_resumable(path, state, config, world_size)
-            decision = (str(path) if path else None, int(state["step"]) if path else 0, "")
+            step = check_checkpoint(path, config, world_size) if path is not None else 0
+            decision = (str(path) if path else None, step, "")
         except ConfigError as err:
             decision = (None, 0, str(err))
     path, step, problem = broadcast_from_rank0(decision)

@@ -16,12 +16,12 @@ from vlrft.trainer.checkpoint import (
     cpu_state_dict,
     clear_temporaries,
     fsync_tree,
-    load_state,
     publish,
     rng_state,
     set_rng_state,
     temporary_dir,
 )
+from vlrft.trainer.checkpoint_read import load_state, restoring
 
 
 class TrainingStopped(Exception):
@@ -50,6 +50,7 @@ def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> P
             "rng": rng_state(),
             "buffer_generator": trainer.buffer.generator.get_state(),
             "prompts_consumed": trainer.sampler.consumed,
+            "dropped_rows": sorted(trainer.bad_input.dropped_rows),
             "ptx_position": trainer.ptx.position if trainer.ptx is not None else 0,
         },
         temporary / f"rank{global_rank()}.pt",
@@ -83,33 +84,51 @@ def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> P
 
 
 def load_checkpoint(trainer, path: Path) -> None:
-    """Continue exactly where the checkpoint left off (every rank). Rank 0 validated it already
-    (checkpoint.resume_decision), before anything after it was discarded."""
-    state = load_state(path / "trainer.pt")
-    mine = load_state(path / f"rank{global_rank()}.pt")
-    trainer.backend.load_checkpoint(path / "policy")
+    """Continue exactly where the checkpoint left off (every rank). Rank 0 checked every file
+    (checkpoint.check_checkpoint) before anything after it was discarded; what restoring still
+    finds wrong is one line naming the file (checkpoint_read.restoring), for vlrft's own files
+    before DeepSpeed's load, so every rank that trains stops there alike."""
+    trainer_file, rank_file = path / "trainer.pt", path / f"rank{global_rank()}.pt"
+    state, mine = load_state(trainer_file), load_state(rank_file)
+    with restoring(trainer_file):
+        trainer.global_step = state["step"]
+        trainer.kl_controller.load_state_dict(state["kl_controller"])
+        if trainer.return_stats is not None:
+            trainer.return_stats.load_state_dict(state["return_stats"])
+        if trainer.policy_ema is not None:
+            trainer.policy_ema = same_layout(state["policy_ema"], trainer.policy_ema, "policy_ema")
+        if state["reference"] is not None:
+            trainer.reference.load_state_dict(state["reference"])
+        # An async run's rollout ranks evaluate the checkpoint's step again (discard_after dropped
+        # its line): trainer rank 0 may have logged that evaluation already when it saved.
+        again = trainer.cfg.train.mode == "async"
+        trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if not (again and entry[0] >= trainer.global_step)]
+        trainer.zero_reward_watch.streak = state["zero_reward_streak"]
+    with restoring(rank_file):
+        trainer.sampler.consumed = mine["prompts_consumed"]
+        trainer.bad_input.dropped_rows = set(mine.get("dropped_rows", ()))  # named once per run, resumed or not
+        if trainer.ptx is not None:
+            trainer.ptx.position = mine["ptx_position"]
+        trainer.buffer.generator.set_state(mine["buffer_generator"])
+    with restoring(path / "policy"):
+        trainer.backend.load_checkpoint(path / "policy")
     if trainer.critic is not None:
-        trainer.critic.load_checkpoint(path / "critic")
-    trainer.global_step = state["step"]
-    trainer.kl_controller.load_state_dict(state["kl_controller"])
-    if trainer.return_stats is not None:
-        trainer.return_stats.load_state_dict(state["return_stats"])
-    if trainer.policy_ema is not None:
-        trainer.policy_ema = state["policy_ema"]
-    if state["reference"] is not None:
-        trainer.reference.load_state_dict(state["reference"])
-    # An async run's rollout ranks evaluate the checkpoint's step again (discard_after dropped
-    # its line): trainer rank 0 may have logged that evaluation already when it saved.
-    again = trainer.cfg.train.mode == "async"
-    trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if not (again and entry[0] >= trainer.global_step)]
-    trainer.zero_reward_watch.streak = state["zero_reward_streak"]
-    trainer.sampler.consumed = mine["prompts_consumed"]
-    if trainer.ptx is not None:
-        trainer.ptx.position = mine["ptx_position"]
-    trainer.buffer.generator.set_state(mine["buffer_generator"])
+        with restoring(path / "critic"):
+            trainer.critic.load_checkpoint(path / "critic")
     if trainer.role == "trainer":  # the rollout ranks get the restored policy as its step's version
         trainer.engine.resume_at(trainer.global_step)
     trainer.engine.update_weights(trainer.policy_weights())  # serve the restored policy
     if trainer.rank == 0:
         print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
-    set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+    with restoring(rank_file):
+        set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+
+
+def same_layout(saved: dict, current: dict, what: str) -> dict:
+    """`saved` (tensors by name), if it has `current`'s names, shapes and dtypes; else ValueError
+    naming the first that differs (a checkpoint of another model)."""
+    differs = sorted(set(saved) ^ set(current)) or [
+        name for name in current if (saved[name].shape, saved[name].dtype) != (current[name].shape, current[name].dtype)]
+    if differs:
+        raise ValueError(f"its {what} does not match this model's at {differs[0]!r}")
+    return saved

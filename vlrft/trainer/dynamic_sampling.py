@@ -60,9 +60,8 @@ def sample_groups(trainer) -> tuple[list[Experience], list[Experience], dict[str
 
 def draw_prompts(trainer) -> tuple[list, int]:
     """The sampler's next prompts for this rank, encoded: (prompts, prompts skipped on all ranks;
-    a collective)."""
-    items = [(trainer.train_rows[row], pos) for pos, row in trainer.sampler.next_indices()]
-    return trainer.bad_input.encode(trainer.encoder, items)
+    a collective). A row that failed to encode once is not drawn again (trainer/bad_input.py)."""
+    return trainer.bad_input.draw(trainer.encoder, trainer.sampler, trainer.train_rows)
 
 
 def round_seed(trainer, step: int, round_: int) -> int:

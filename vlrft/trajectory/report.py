@@ -12,11 +12,11 @@ import base64
 import json
 import math
 import mimetypes
-import os
 import re
 from collections import Counter
 from pathlib import Path
 
+from vlrft.data.media import MediaFile, MediaPaths, open_media
 from vlrft.trajectory.analysis import summarise, zero_variance_group_fraction
 from vlrft.trajectory.records import ReportError, load_metrics, load_records
 from vlrft.trajectory.svg import esc, histogram, line_chart
@@ -243,23 +243,31 @@ def best_and_worst(records: list[dict], top_k: int) -> list[tuple[str, dict]]:
     return [(f"best {i}", r) for i, r in enumerate(best, 1)] + [(f"worst {i}", r) for i, r in enumerate(worst, 1)]
 
 
-def run_file(trajectory_dir: Path, relative) -> Path | None:
+def run_file(trajectory_dir: Path, relative) -> MediaFile | None:
     """The file a record names (relative to `trajectory_dir`) when it resolves, symlinks
     followed, inside the run directory; else None. A record is data: one naming /etc/hostname
-    or ../../x must not get that file pasted into a page that is meant to be shared."""
+    or ../../x must not get that file pasted into a page that is meant to be shared. The file
+    is later read with `open_media`, beneath the run directory with no symlink on the way, so a
+    link put in its place after this check is not followed either."""
     if not isinstance(relative, str) or not relative:
         return None
-    path = Path(os.path.realpath(trajectory_dir / relative))
-    return path if path.is_relative_to(os.path.realpath(trajectory_dir.parent)) else None
+    try:
+        return MediaPaths((str(trajectory_dir.parent),)).resolve(trajectory_dir / relative)
+    except (OSError, ValueError):  # a NUL byte, a name too long: not a file of the run
+        return None
 
 
-def image_data_uri(path: Path, cache: dict[Path, str | None]) -> str | None:
-    """`path` as a data: URI (None when the file is missing); `cache` holds each file once, as
-    the responses of a prompt share its images."""
+def image_data_uri(path: MediaFile, cache: dict[str, str | None]) -> str | None:
+    """`path` as a data: URI (None when it is missing or cannot be opened as it was checked);
+    `cache` holds each file once, as the responses of a prompt share its images."""
     if path not in cache:
-        mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        cache[path] = (f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
-                       if path.is_file() else None)
+        try:
+            with open_media(path) as file:
+                data = file.read()
+        except (OSError, ValueError):
+            data = None
+        mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+        cache[path] = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}" if data is not None else None
     return cache[path]
 
 
@@ -283,7 +291,7 @@ def response_html(record: dict, hot_threshold: float | None) -> str:
 
 
 def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: float | None,
-                image_cache: dict[Path, str | None]) -> str:
+                image_cache: dict[str, str | None]) -> str:
     kind = label.split()[0]
     components = ", ".join(f"{esc(name)} <b>{esc(number(v))}</b>" for name, v in sorted(record["components"].items()))
     facts = {"advantage": number(record["advantage"]), "length": number(record["response_length"]),
@@ -318,7 +326,7 @@ def sample_card(label: str, record: dict, trajectory_dir: Path, hot_threshold: f
 def samples_section(run_dir: Path, records_by_step: dict[int, list[dict]], step_stats: dict[int, dict],
                     top_k: int) -> str:
     trajectory_dir = run_dir / "trajectories"
-    image_cache: dict[Path, str | None] = {}
+    image_cache: dict[str, str | None] = {}
     sources = sorted({r["data_source"] for records in records_by_step.values() for r in records})
     last_step = list(records_by_step)[-1]
     step_options = "".join(f'<option value="{step}"{" selected" if step == last_step else ""}>step {step}</option>'

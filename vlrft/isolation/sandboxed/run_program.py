@@ -1,6 +1,6 @@
 """Runs `main.py` (a model-written program) in the sandbox, as `python main.py` would.
 
-argv: memory bytes, CPU seconds, file bytes, open files, audit hook (1: no OS isolation, the
+argv: the user to become ("UID:GID" or "-"), memory bytes, CPU seconds, file bytes, open files, audit hook (1: no OS isolation, the
 in-process hook is the only guard; 0: the OS sandbox is), and optionally `serve REQUEST_FD
 REPLY_FD`: after the program ran, answer the test harness's requests for its names (calls,
 attributes, items, iteration) until the harness hangs up. Everything here is the program's to
@@ -107,8 +107,9 @@ def serve(namespace: dict, request_fd: int, reply_fd: int) -> None:
 
 
 def main() -> None:
-    memory, cpu, file_bytes, open_files, hook = (int(v) for v in sys.argv[1:6])
-    serving = (int(sys.argv[7]), int(sys.argv[8])) if sys.argv[6:7] == ["serve"] else None
+    child_limits.become(sys.argv[1])
+    memory, cpu, file_bytes, open_files, hook = (int(v) for v in sys.argv[2:7])
+    serving = (int(sys.argv[8]), int(sys.argv[9])) if sys.argv[7:8] == ["serve"] else None
     child_limits.apply(memory, cpu, file_bytes, open_files)
     with open("main.py", "rb") as f:
         code = compile(f.read(), "main.py", "exec")

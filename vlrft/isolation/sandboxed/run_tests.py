@@ -1,6 +1,6 @@
 """The test harness: runs a row's tests (asserts) against a program that runs in another sandbox.
 
-argv: memory bytes, CPU seconds, file bytes, open files, REPLY_FD, REQUEST_FD, VERDICT_FD; the
+argv: the user to become ("UID:GID" or "-"), memory bytes, CPU seconds, file bytes, open files, REPLY_FD, REQUEST_FD, VERDICT_FD; the
 tests are read from stdin. The program's top-level names appear here as plain values or as
 stand-ins (`Remote`) whose calls, attributes, items and iteration are requests to the program
 (run_program.py). The verdict ("pass", or "fail: why") is written to VERDICT_FD, which only
@@ -159,14 +159,37 @@ def usable_name(name) -> bool:
             and name not in sys.stdlib_module_names)
 
 
+def names_used(code) -> set[str]:
+    """Every global or attribute name the compiled tests mention, nested functions included."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            found |= names_used(const)
+    return found
+
+
 def verdict(tests: str, link: Link) -> str:
     names = link.receive().get("names")
     if type(names) is not dict:
         raise ProgramBroke("the program sent a bad list of names")
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    namespace |= {name: into(data) for name, data in names.items() if usable_name(name)}
     try:
-        exec(compile(tests, "tests.py", "exec"), namespace)
+        code = compile(tests, "tests.py", "exec")
+    except BaseException as err:  # noqa: BLE001 - the row's tests are data: they may not compile
+        return f"fail: the tests do not compile: {type(err).__name__}: {str(err)[:200]}"
+    # A program's function named like a built-in the tests call (a task "write pow") is not
+    # bound for them, so they would check Python's own: the verdict cannot tell, so it fails.
+    shadowed = sorted(name for name in names if type(name) is str and not name.startswith("__")
+                      and hasattr(builtins, name) and name in names_used(code))
+    if shadowed:
+        return (f"fail: the program defines {shadowed[0]!r}, a built-in name the tests use, so the tests "
+                "cannot tell the program's from Python's (name the task's function otherwise)")
+    bound = {name: data for name, data in names.items() if usable_name(name)}
+    if not bound.keys() & names_used(code):  # tests that check only Python itself pass any program
+        return "fail: the tests use none of the program's names"
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    namespace |= {name: into(data) for name, data in bound.items()}
+    try:
+        exec(code, namespace)
     except ProgramBroke:
         raise
     except BaseException as err:  # noqa: BLE001 - any way the tests did not run to the end
@@ -177,7 +200,8 @@ def verdict(tests: str, link: Link) -> str:
 
 
 def main() -> None:
-    memory, cpu, file_bytes, open_files, reply_fd, request_fd, verdict_fd = (int(v) for v in sys.argv[1:8])
+    child_limits.become(sys.argv[1])
+    memory, cpu, file_bytes, open_files, reply_fd, request_fd, verdict_fd = (int(v) for v in sys.argv[2:9])
     tests = sys.stdin.read()
     child_limits.apply(memory, cpu, file_bytes, open_files)
     Remote.link = Link(reply_fd, request_fd)

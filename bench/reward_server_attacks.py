@@ -66,80 +66,100 @@ def health(port: int) -> float | None:
     return time.monotonic() - start if answer and answer.startswith(b"HTTP/1.1 200") else None
 
 
-def strangers(port: int, count: int, stop: threading.Event) -> None:
-    sockets: list[socket.socket] = []
-    while not stop.is_set():
-        while len(sockets) < count:
+class Flood:
+    """`count` connections to a server on loopback `port`, run in a thread until `close`; each is
+    opened without waiting for the server to accept it and opened again once the server closed
+    it. `opened`: connections opened so far."""
+
+    def __init__(self, port: int, count: int):
+        self.port, self.count, self.opened = port, count, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def fill(self, sockets: list[socket.socket]) -> None:
+        while len(sockets) < self.count:
             sock = socket.socket()
             sock.setblocking(False)
-            sock.connect_ex(("127.0.0.1", port))
+            sock.connect_ex(("127.0.0.1", self.port))
             sockets.append(sock)
-        stop.wait(0.05)
-        alive = []
+            self.opened += 1
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class Strangers(Flood):
+    """Connections that send one byte of a request line and nothing more."""
+
+    def run(self) -> None:
+        sockets: list[socket.socket] = []
+        while not self.stop.is_set():
+            self.fill(sockets)
+            self.stop.wait(0.05)
+            alive = []
+            for sock in sockets:
+                try:
+                    sock.send(b"G")
+                    alive.append(sock)
+                except BlockingIOError:
+                    alive.append(sock)
+                except OSError:
+                    sock.close()
+            sockets = alive
         for sock in sockets:
-            try:
-                sock.send(b"G")
-                alive.append(sock)
-            except BlockingIOError:
-                alive.append(sock)
-            except OSError:
-                sock.close()
-        sockets = alive
-    for sock in sockets:
-        sock.close()
+            sock.close()
 
 
-def uploads(port: int, count: int, stop: threading.Event) -> None:
-    head = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {TOKEN}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 10000\r\n\r\n").encode()
-    sockets: list[socket.socket] = []
-    sent: set[socket.socket] = set()  # those whose headers went out
-    while not stop.is_set():
-        while len(sockets) < count:
-            sock = socket.socket()
-            sock.setblocking(False)
-            sock.connect_ex(("127.0.0.1", port))
-            sockets.append(sock)
-        alive = []
+class Uploads(Flood):
+    """A token holder's uploads: valid headers for a 10,000-byte body, then a byte a second."""
+
+    def run(self) -> None:
+        head = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 10000\r\n\r\n").encode()
+        sockets: list[socket.socket] = []
+        sent: set[socket.socket] = set()  # those whose headers went out
+        while not self.stop.is_set():
+            self.fill(sockets)
+            alive = []
+            for sock in sockets:
+                try:
+                    if sock.recv(1, socket.MSG_PEEK) == b"":  # the server closed it
+                        raise OSError("closed")
+                except BlockingIOError:  # nothing to read: still open
+                    pass
+                except OSError:
+                    sent.discard(sock)
+                    sock.close()
+                    continue
+                try:
+                    sock.send(b" " if sock in sent else head)
+                    sent.add(sock)
+                except OSError:  # it would block, or the server closed it: the next turn's peek tells
+                    pass
+                alive.append(sock)
+            sockets = alive
+            self.stop.wait(1.0)
         for sock in sockets:
-            try:
-                if sock.recv(1, socket.MSG_PEEK) == b"":
-                    raise OSError("closed")
-            except BlockingIOError:
-                pass
-            except OSError:
-                sent.discard(sock)
-                sock.close()
-                continue
-            try:
-                sock.send(b" " if sock in sent else head)
-                sent.add(sock)
-            except BlockingIOError:
-                pass
-            except OSError:
-                sent.discard(sock)
-                sock.close()
-                continue
-            alive.append(sock)
-        sockets = alive
-        stop.wait(1.0)
-    for sock in sockets:
-        sock.close()
+            sock.close()
 
 
-def latencies(port: int, attack, count: int, seconds: float = 25.0) -> None:
-    stop = threading.Event()
-    threading.Thread(target=attack, args=(port, count, stop), daemon=True).start()
+def latencies(port: int, attack: type[Flood], count: int, seconds: float = 25.0) -> None:
+    flood = attack(port, count)
     time.sleep(2.0)
     taken = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         taken.append(health(port))
         time.sleep(0.3)
-    stop.set()
+    flood.close()
     done = sorted(t for t in taken if t is not None)
     answered = f"median {statistics.median(done):.2f}s, slowest {done[-1]:.2f}s, " if done else ""
-    print(f"{attack.__name__} {count}: a token holder's GET /health x{len(taken)} (15 s timeout): {answered}"
+    print(f"{attack.__name__.lower()} {count}: a token holder's GET /health x{len(taken)} (15 s timeout): {answered}"
           f"failed {len(taken) - len(done)}")
 
 
@@ -173,7 +193,7 @@ def main() -> None:
             if args.attack == "json":
                 json_peak(port, proc.pid, args.size)
             else:
-                latencies(port, strangers if args.attack == "strangers" else uploads, int(args.size))
+                latencies(port, Strangers if args.attack == "strangers" else Uploads, int(args.size))
         finally:
             proc.kill()
             proc.wait()

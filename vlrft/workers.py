@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import signal
 import socket
 import subprocess
@@ -177,6 +178,14 @@ def _spawn(entry: tuple[str, str]) -> tuple[subprocess.Popen, socket.socket]:
     finally:
         child_end.close()
     return process, parent_end
+
+
+def limit_data_memory(limit: int) -> None:
+    """Lower this process's RLIMIT_DATA (heap and private mappings) to `limit` bytes: a worker's
+    `prepare` for calls on a stranger's file (a decoder, an unpickler), which then fail their
+    allocation (MemoryError) past it instead of making the kernel end the trainer."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
 def exit_text(status: int | None) -> str:

@@ -255,24 +255,34 @@ torch.save(state, sys.argv[1])
 """
 
 
+def checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train: dict) -> Path:
+    """The run directory of a two-rank run of `train` (its checkpoint, to tamper with)."""
+    finish(launch(write_config(tmp_path, tiny_text, addition_data, "run", train=train), ranks=2))
+    return tmp_path / "run"
+
+
+def refused_on_both_ranks(config, refusal: str) -> None:
+    """Resuming with `config` fails: both ranks print `refusal`, and no traceback of vlrft's."""
+    proc = launch(config, ranks=2)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0, out[-4000:]
+    assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
+    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+
+
 def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_at_resume_and_never_runs(tiny_text, addition_data, tmp_path):
     """A shell command pickled into rank 1's ZeRO optimizer partition (a file only rank 1 would
     open) of the checkpoint a two-rank run resumes from: every rank stops with one line naming
     the file, no traceback of vlrft's, the command never runs and the checkpoint stays."""
     train = {"total_steps": 1, "lr": 1e-2, "micro_batch_tokens": 200, "zero_stage": 2}
-    config = write_config(tmp_path, tiny_text, addition_data, "run", train=train)
-    finish(launch(config, ranks=2))
-    state_file = tmp_path / "run" / "checkpoints" / "step_000001" / "policy" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    run = checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train)
+    state_file = run / "checkpoints" / "step_000001" / "policy" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     marker = tmp_path / "payload-ran"
     subprocess.run([sys.executable, "-c", PLANT, str(state_file), str(marker)], env=ENV, check=True)
     config = write_config(tmp_path, tiny_text, addition_data, "run", train={**train, "total_steps": 2})
-    proc = launch(config, ranks=2)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0, out[-4000:]
     refusal = (f"vlrft: error: refusing to load checkpoint file {state_file}: it holds posix.system, not only tensors, "
                "plain data and DeepSpeed's state (not written by vlrft, or tampered with)")
-    assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
-    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+    refused_on_both_ranks(config, refusal)
     assert not marker.exists()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001"]
 
@@ -289,9 +299,7 @@ def test_a_rank_file_of_the_wrong_shape_stops_every_rank_before_anything_is_disc
     refuses it, so both ranks stop with the same line naming the file, and what the abandoned
     run did after its checkpoint (a trajectory file, a metric line) is still there."""
     train = {"total_steps": 1, "lr": 1e-2, "micro_batch_tokens": 200}
-    config = write_config(tmp_path, tiny_text, addition_data, "run", train=train)
-    finish(launch(config, ranks=2))
-    run = tmp_path / "run"
+    run = checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train)
     rank_file = run / "checkpoints" / "step_000001" / "rank1.pt"
     subprocess.run([sys.executable, "-c", RESHAPE, str(rank_file)], env=ENV, check=True)
     (run / "trajectories" / "step_000002.rank0.jsonl").write_text("{}\n")  # a step after the checkpoint
@@ -299,11 +307,7 @@ def test_a_rank_file_of_the_wrong_shape_stops_every_rank_before_anything_is_disc
         log.write(json.dumps({"step": 2, "train/loss": 0.5}) + "\n")
     metrics = (run / "metrics.jsonl").read_text()
     config = write_config(tmp_path, tiny_text, addition_data, "run", train={**train, "total_steps": 2})
-    proc = launch(config, ranks=2)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0, out[-4000:]
     refusal = (f"vlrft: error: checkpoint file {rank_file} is not a vlrft rank state: its field 'rng' is not a random "
                "state this rank can restore (ValueError: state vector is the wrong size)")
-    assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
-    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+    refused_on_both_ranks(config, refusal)
     assert (run / "trajectories" / "step_000002.rank0.jsonl").exists() and (run / "metrics.jsonl").read_text() == metrics

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench.reward_server_attacks import Strangers
 from tests.integration.test_reward_server import post, refusals, start_server
 from tests.marks import needs_sandbox
 
@@ -330,45 +331,6 @@ def test_slow_bodies_do_not_keep_a_token_holder_out(tmp_path):
     assert "408 POST /score from 127.0.0.1: request body arrived at" in proc.log.read_text()
 
 
-class Strangers:
-    """`count` connections that send one byte of a request line and nothing more, opened without
-    waiting for the server to accept them, and opened again as soon as the server closes them."""
-
-    def __init__(self, url: str, count: int):
-        host, port = url.removeprefix("http://").split(":")
-        self.address, self.count, self.opened = (host, int(port)), count, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.flood, daemon=True)
-        self.thread.start()
-
-    def flood(self):
-        sockets: list[socket.socket] = []
-        while not self.stop.is_set():
-            while len(sockets) < self.count:
-                sock = socket.socket()
-                sock.setblocking(False)
-                sock.connect_ex(self.address)
-                sockets.append(sock)
-                self.opened += 1
-            self.stop.wait(0.05)
-            alive = []
-            for sock in sockets:
-                try:
-                    sock.send(b"G")
-                    alive.append(sock)
-                except BlockingIOError:
-                    alive.append(sock)
-                except OSError:
-                    sock.close()
-            sockets = alive
-        for sock in sockets:
-            sock.close()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join()
-
-
 def test_a_flood_of_strangers_delays_a_token_holder_little(tmp_path):
     """300 strangers' connections, reopened as soon as closed, against --max-connections 16: the
     server accepts them in batches and sheds them as fast, and the kernel's queue (--backlog,
@@ -377,7 +339,7 @@ def test_a_flood_of_strangers_delays_a_token_holder_little(tmp_path):
     (tmp_path / "token").write_text("s3cret\n")
     proc, url = start_server("exact_match", tmp_path, token="s3cret",
                              extra=("--token-file", str(tmp_path / "token"), "--max-connections", "16"))
-    flood = Strangers(url, 300)
+    flood = Strangers(int(url.rsplit(":", 1)[1]), 300)
     auth = {"Authorization": "Bearer s3cret"}
     try:
         time.sleep(1.5)

@@ -189,7 +189,7 @@ def plant(state_file: Path) -> None:
 
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_deepspeed_state_loads_back_with_weights_only_and_its_allow_list(zero_stage, tmp_path, world_of_one):
-    from vlrft.backends.deepspeed_checkpoint import WeightsOnlyCheckpointEngine
+    from vlrft.backends.deepspeed_backend import WeightsOnlyCheckpointEngine
 
     backend = deepspeed_checkpoint(tmp_path, zero_stage)
     assert type(backend.engine.checkpoint_engine) is WeightsOnlyCheckpointEngine

@@ -23,8 +23,8 @@ import pytest
 from reward_recipes.code import unit_tests
 from tests.marks import needs_sandbox
 from vlrft.multiturn.tools import ToolEnvironment
-from vlrft.isolation import sandbox
-from vlrft.isolation.sandbox import TMPFS_BYTES, run_python, run_tests
+from vlrft.isolation.launch import SANDBOXED, TMPFS_BYTES
+from vlrft.isolation.sandbox import run_python, run_tests
 
 pytestmark = needs_sandbox
 
@@ -158,7 +158,7 @@ def test_writes_deletes_and_renames_stay_inside(name, planted):
     result = run_python(fill(ESCAPES[name], paths))
     assert not result.passed, result.stdout
     assert sorted(os.listdir(paths["outside"])) == ["keep.txt"]
-    assert Path(sandbox.SANDBOXED / "run_tests.py").read_text().startswith('"""The test harness')
+    assert Path(SANDBOXED / "run_tests.py").read_text().startswith('"""The test harness')
 
 
 @pytest.mark.parametrize("name", READS)

@@ -1,5 +1,4 @@
-"""DeepSpeed training backend (ZeRO 0/2/3). The only vlrft module that imports deepspeed (with
-deepspeed_checkpoint.py, which it imports after setting DeepSpeed's environment)."""
+"""DeepSpeed training backend (ZeRO 0/2/3). The only vlrft module that imports deepspeed."""
 
 from __future__ import annotations
 
@@ -30,8 +29,10 @@ import deepspeed  # noqa: E402  (after the environment above)
 from deepspeed.runtime import compiler as deepspeed_compiler  # noqa: E402
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
-from vlrft.backends.deepspeed_checkpoint import use_weights_only_loads  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
+
 from vlrft.distributed import backend_name, barrier, rank, role_group, self_group, world_size  # noqa: E402
+from vlrft.trainer.checkpoint_read import DEEPSPEED_STATE_CLASSES, load_state  # noqa: E402
 
 
 def _import_deepspeed_muon_uncompiled() -> None:
@@ -227,7 +228,7 @@ class DeepSpeedBackend:
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config,
             mpu=RoleParallelism(group) if group is not None else None,
         )
-        use_weights_only_loads(self.engine)  # a resume never unpickles code (backends/deepspeed_checkpoint.py)
+        use_weights_only_loads(self.engine)  # a resume never unpickles code
         self.zero_stage = zero_stage
 
     @property
@@ -381,3 +382,45 @@ def lr_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):
         last = max(total_steps - 1, warmup_steps + 1)
         return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, last, min_lr_rate=0.1)
     raise ValueError(f"unknown lr schedule '{schedule}'")
+
+
+# ---- DeepSpeed's checkpoint files, read without unpickling code
+#
+# DeepSpeed reads every file of a checkpoint (the model states, each rank's ZeRO optimizer
+# partition) through its engine's `checkpoint_engine`, whose `torch.load` unpickles anything
+# (weights-only loading off): a pickle planted there would run when a run resumes. vlrft puts
+# its own engine in its place: DeepSpeed's (saves unchanged), loading weights-only with an
+# explicit allow-list, the few DeepSpeed classes its states hold (DEEPSPEED_STATE_CLASSES,
+# trainer/checkpoint_read.py). A file holding anything else is refused in one line naming it
+# (ConfigError), before any of it runs. Rank 0 has probed every file already
+# (trainer/checkpoint.py, `check_checkpoint`).
+
+
+def state_classes() -> list[type]:
+    """The classes DEEPSPEED_STATE_CLASSES names, imported from DeepSpeed."""
+    classes = []
+    for name in DEEPSPEED_STATE_CLASSES:
+        module, _, attribute = name.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), attribute))
+    return classes
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch.save engine whose load unpickles tensors, plain data and
+    DEEPSPEED_STATE_CLASSES only."""
+
+    classes = state_classes()
+
+    def load(self, path: str, map_location=None):
+        return load_state(Path(path), map_location, self.classes)
+
+
+def use_weights_only_loads(engine) -> None:
+    """Load `engine`'s (a DeepSpeedEngine's) checkpoints with WeightsOnlyCheckpointEngine. Its
+    state is taken over as it is (DeepSpeed's serialization settings: saves are unchanged)."""
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:  # DeepSpeed picks another only for config keys vlrft never sets
+        raise RuntimeError(f"DeepSpeed chose checkpoint engine {type(current).__name__}; vlrft loads through TorchCheckpointEngine only")
+    safe = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
+    safe.__dict__.update(current.__dict__)
+    engine.checkpoint_engine = safe

@@ -22,6 +22,7 @@ from vlrft.data.columns import ColumnError, Columns, mapped_row
 from vlrft.data.media import MediaFile, MediaPaths, shown
 from vlrft.data.row_fields import FieldError
 from vlrft.errors import VlrftError
+from vlrft.json_shape import exceeds
 
 
 class DataError(VlrftError, ValueError):
@@ -137,7 +138,7 @@ def _validate_row(row, path: Path, number: int, columns: Columns, base: Path, me
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object")
     try:
-        if row_fields.too_deep(row):
+        if exceeds(row, row_fields.MAX_NESTING):
             raise FieldError(f"nested more than {row_fields.MAX_NESTING} deep")
         if "messages" not in row:
             try:

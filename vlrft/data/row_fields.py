@@ -38,24 +38,9 @@ def quoted(value: str | int) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}..."
 
 
-def too_deep(value, limit: int = MAX_NESTING) -> bool:
-    """Whether `value` nests lists, tuples or dicts more than `limit` deep (walked without
-    recursion, so any depth is measured)."""
-    todo = [(value, 0)]
-    while todo:
-        item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
-        if children is None:
-            continue
-        if depth >= limit:
-            return True
-        todo.extend((child, depth + 1) for child in children)
-    return False
-
-
 def json_problem(value) -> str | None:
     """Why `value` is not plain JSON data (objects with string keys, arrays, strings, numbers,
-    true/false/null), or None when it is. Nesting is checked by `too_deep` first."""
+    true/false/null), or None when it is. Nesting is checked first (vlrft.json_shape)."""
     todo = [value]
     while todo:
         item = todo.pop()

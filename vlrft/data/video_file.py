@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import threading
 from contextlib import contextmanager
 
@@ -30,7 +29,7 @@ from PIL import Image
 
 from vlrft.data.images import shrunk
 from vlrft.data.media import open_media
-from vlrft.workers import CallFailed, CallTimedOut, Worker
+from vlrft.workers import CallFailed, CallTimedOut, Worker, limit_data_memory
 
 # Source frames a video file may have: the counting pass reads every frame, and a crafted file
 # can claim an endless stream. 108,000 is an hour at 30 frames per second.
@@ -173,7 +172,7 @@ class VideoFiles:
     def __init__(self, timeout_s: float, max_decoded_pixels: int = VIDEO_MAX_DECODED_PIXELS,
                  max_pixels: int | None = None):
         self.timeout_s, self.max_decoded_pixels, self.max_pixels = timeout_s, max_decoded_pixels, max_pixels
-        self.worker = Worker(prepare=(cap_data_memory, (DECODE_MEMORY_BYTES,)))
+        self.worker = Worker(prepare=(limit_data_memory, (DECODE_MEMORY_BYTES,)))
 
     def read(self, path: str, fps: float, max_frames: int) -> tuple[list[Image.Image], list[int], float]:
         """As `decode_video_file`; ValueError (a one-line reason) for a file it refuses, a
@@ -191,12 +190,6 @@ class VideoFiles:
 
 
 # ---- the worker's side
-
-def cap_data_memory(limit: int) -> None:
-    """Lower this process's RLIMIT_DATA (heap and private mappings) to `limit` bytes."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-
 
 def decode_or_refuse(*args) -> tuple[bool, object]:
     """(True, what `decode_video_file(*args)` returned) or (False, why it refused the file), so

@@ -7,8 +7,9 @@ the boundary is the operating system, not Python. With bubblewrap (`bwrap`), eac
 - its own PID, network, IPC, UTS and cgroup namespaces: no network interface but loopback, no
   process of the trainer in sight (nothing to read in /proc, nothing to signal), and
   everything it started dies with it;
-- a filesystem of read-only system and Python directories and one private tmpfs of
-  TMPFS_BYTES as the only writable place: no home directory, no file of the trainer or data;
+- a filesystem of read-only system and Python directories and one private tmpfs of 64 MiB
+  (launch.TMPFS_BYTES) as the only writable place: no home directory, no file of the trainer
+  or data;
 - an allowlist of system calls (vlrft/isolation/seccomp_policy.py): threads work, new
   processes, io_uring, keys, mounts and the rest do not;
 - resource limits (address space, CPU seconds, file size, open files, threads; a memory cgroup
@@ -35,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlrft.isolation.launch import SANDBOXED, TMPFS_BYTES, Launch, SandboxUnavailable  # noqa: F401 - the first two: this module's too
+from vlrft.isolation.launch import Launch, SandboxUnavailable
 from vlrft.isolation.seccomp_policy import native_filter
 
 OUTPUT_LIMIT = 64 * 1024  # bytes of stdout / stderr kept

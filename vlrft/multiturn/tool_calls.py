@@ -3,8 +3,8 @@
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
 The turn is model-written, so hostile: the parse is linear in the turn (no regular expression
-that backtracks), and a call's JSON is bounded in length and depth before it is read (Python's
-json recurses once per level, and a call nested 1,000 deep would end the turn in RecursionError).
+that backtracks), a call's JSON is bounded in length before it is read and in depth after
+(vlrft.json_shape; nesting so deep that json's own recursion stops is refused alike).
 Whatever cannot be read becomes a call {"error": why}, answered as the tool's result: the
 policy learns the format from it, and the trajectory goes on.
 """
@@ -12,6 +12,8 @@ policy learns the format from it, and the trajectory goes on.
 from __future__ import annotations
 
 import json
+
+from vlrft.json_shape import exceeds
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_CHARS = 65536  # a call's JSON, arguments included (a program for the `python` tool fits)
@@ -66,35 +68,15 @@ def bounded_json(text: str) -> object:
     a number Python will not read: over 4300 digits), JSONDecodeError when it is not JSON."""
     if len(text) > MAX_CALL_CHARS:
         raise ValueError(f"tool call longer than {MAX_CALL_CHARS} characters")
-    if nested_deeper(text, MAX_CALL_DEPTH):
-        raise ValueError(f"tool call nested more than {MAX_CALL_DEPTH} deep")
+    too_deep = ValueError(f"tool call nested more than {MAX_CALL_DEPTH} deep")
     try:
-        return json.loads(text)
+        value = json.loads(text)
+    except RecursionError:
+        raise too_deep from None
     except json.JSONDecodeError:
         raise
     except ValueError as err:  # "Exceeds the limit (4300 digits) for integer string conversion: ..."
         raise ValueError(f"tool call cannot be read ({str(err).partition(':')[0]})") from None
-
-
-def nested_deeper(text: str, limit: int) -> bool:
-    """Whether JSON `text` opens more than `limit` arrays and objects inside each other, brackets
-    in strings aside; stops at the first level past the limit. Over any prefix the JSON parser
-    reads, it sees the strings this sees, so it never recurses deeper than this counts."""
-    depth, in_string, escaped = 0, False, False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char in "]}":
-            depth -= 1
-    return False
+    if exceeds(value, MAX_CALL_DEPTH):
+        raise too_deep
+    return value

@@ -22,6 +22,7 @@ from typing import Callable
 
 from vlrft.errors import ConfigError
 from vlrft.isolation.sandbox import check_can_run_code, runs_code
+from vlrft.json_shape import exceeds
 
 TOKEN_ENV = "VLRFT_REWARD_TOKEN"
 
@@ -233,29 +234,13 @@ def parse_json(raw: bytes, limits: Limits):
 
 def check_json_shape(body, limits: Limits) -> None:
     """413 when arrays/objects nest deeper than --max-json-depth (the outermost is level 1) or
-    the body holds more than --max-json-values values (containers, strings, numbers, literals;
-    object keys aside). Counted while walking, one iterator per level open (a loop, not
-    recursion): the walk holds nothing per value, so it adds next to nothing to the memory the
-    parse took, and stops at the first value over a limit."""
-    if not isinstance(body, (list, dict)):
-        return
-    count, open_levels = 1, [_children(body)]  # the depth of a child is len(open_levels) + 1
-    while open_levels:
-        for child in open_levels[-1]:
-            count += 1
-            if count > limits.max_json_values:
-                raise Rejected(413, f"request JSON holds more than {limits.max_json_values} values (--max-json-values)")
-            if isinstance(child, (list, dict)):
-                if len(open_levels) + 1 > limits.max_json_depth:
-                    raise _too_deep(limits)
-                open_levels.append(_children(child))
-                break  # on into the child; this level's iterator goes on where it stopped
-        else:
-            open_levels.pop()
-
-
-def _children(container):
-    return iter(container.values() if isinstance(container, dict) else container)
+    the body holds more than --max-json-values values (vlrft.json_shape: a walk that holds
+    nothing per value, so it adds next to nothing to the memory the parse took)."""
+    exceeded = exceeds(body, limits.max_json_depth, limits.max_json_values)
+    if exceeded == "values":
+        raise Rejected(413, f"request JSON holds more than {limits.max_json_values} values (--max-json-values)")
+    if exceeded == "depth":
+        raise _too_deep(limits)
 
 
 def _too_deep(limits: Limits) -> Rejected:

@@ -21,7 +21,7 @@ Every file a resume reads loads with `weights_only=True`: resuming from a direct
 code pickled into it. vlrft's own `.pt` files hold tensors and plain Python data only;
 DeepSpeed's (policy/, critic/) also the few DeepSpeed classes of DEEPSPEED_STATE_CLASSES
 (trainer/checkpoint_read.py), which vlrft's checkpoint engine allows and nothing else
-(backends/deepspeed_checkpoint.py).
+(backends/deepspeed_backend.py).
 
 Before anything is discarded or any rank loads a file, rank 0 checks everything the resume will
 read (`check_checkpoint`): the tree holds regular files and directories only (walked without

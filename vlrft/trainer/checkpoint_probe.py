@@ -15,7 +15,6 @@ import io
 import os
 import pickle
 import re
-import resource
 import stat
 import zipfile
 
@@ -63,13 +62,6 @@ class ProbeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):  # a tensor storage: its bytes stay unread
         return Inert()
-
-
-def limit_memory(limit: int) -> None:
-    """Lower this process's RLIMIT_DATA to `limit` bytes (a worker's `prepare`): a pickle that
-    needs more is refused (MemoryError), never a reason for the kernel to end the trainer."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
 def probe(path: str, allowed: frozenset[str]) -> tuple[str, str] | None:

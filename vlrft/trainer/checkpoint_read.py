@@ -21,8 +21,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from vlrft.errors import ConfigError
-from vlrft.trainer.checkpoint_probe import limit_memory, probe
-from vlrft.workers import CallFailed, CallTimedOut, Worker, error_text
+from vlrft.trainer.checkpoint_probe import probe
+from vlrft.workers import CallFailed, CallTimedOut, Worker, error_text, limit_data_memory
 
 # The classes DeepSpeed 0.19 pickles into its state files besides tensors and plain data: the
 # ZeRO optimizer's loss scaler, stage and fragment addresses (found by saving ZeRO 0-3, fp32 and
@@ -103,7 +103,7 @@ class PickleProbe:
 
     def __init__(self, timeout_s: float, memory_bytes: int):
         self.timeout_s = timeout_s
-        self.worker = Worker(prepare=(limit_memory, (memory_bytes,)))
+        self.worker = Worker(prepare=(limit_data_memory, (memory_bytes,)))
 
     def __enter__(self) -> PickleProbe:
         return self

@@ -70,8 +70,9 @@ def run_training(cfg) -> int:
     import torch
 
     from vlrft import progress
-    from vlrft.distributed import init_distributed, shutdown_distributed
+    from vlrft.distributed import global_rank, init_distributed, shutdown_distributed
     from vlrft.rank_watch import start_rank_watch
+    from vlrft.trainer.run_start import AlreadyFinished
     from vlrft.trainer.spmd_trainer import SPMDTrainer, TrainingStopped
 
     init_distributed()  # here as well as in the trainer: the watch covers building it too
@@ -80,6 +81,12 @@ def run_training(cfg) -> int:
     try:
         trainer = SPMDTrainer(cfg)
         history = trainer.train()
+    except AlreadyFinished as finished:  # a rerun of a finished run: nothing to do, not a failure
+        watch.stop()
+        if global_rank() == 0:
+            print(finished, flush=True)
+        shutdown_distributed()
+        return 0
     except TrainingStopped as stopped:
         watch.stop()
         watch.linger()  # until the other ranks have stopped too

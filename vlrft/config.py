@@ -7,7 +7,6 @@ keys, so a typo can never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vlrft.config_paths import origin, resolve_paths
 from vlrft.errors import ConfigError  # noqa: F401  (also importable from here)
 
 
@@ -93,7 +93,7 @@ class DataConfig:
     # run naming it; `skip` drops it with a one-line note and counts it (docs/bad_input.md).
     on_bad_sample: str = "error"
     # Media paths in rows must resolve (symlinks followed) inside the data set's directory or one
-    # of these (relative to the config file); anything else is bad input (docs/datasets.md).
+    # of these (relative to where written: vlrft/config_paths.py); anything else is bad input (docs/datasets.md).
     media_roots: list[str] = field(default_factory=list)
     allow_external_media: bool = False  # lifts that containment, for data one trusts
 
@@ -405,47 +405,24 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config, apply dotted overrides, validate, and resolve relative paths."""
+    """Load a YAML config, apply dotted overrides, validate, and make relative paths absolute:
+    a path is relative to where it was written, the config file's directory or, on the command
+    line, the current directory (vlrft/config_paths.py)."""
     raw: dict = {}
-    base = Path.cwd()
+    config_dir = None
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         raw = yaml.safe_load(path.read_text()) or {}
-        base = path.resolve().parent
+        config_dir = path.resolve().parent
     raw = apply_overrides(raw, list(overrides))
     cfg = _build(Config, raw, "")
-    _resolve_paths(cfg, base)
+    resolve_paths(cfg, origin(config_dir, [item.split("=", 1)[0] for item in overrides]))
     from vlrft.config_checks import validate  # the checks import this module for its dataclasses
 
     validate(cfg)
     return cfg
-
-
-# A Hugging Face hub model id, `owner/name` (models/hub.py turns it into a local snapshot).
-MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def _resolve_paths(cfg: Config, base: Path) -> None:
-    """Paths in a config file are relative to that file, so examples run from anywhere; a
-    model path that names nothing there but reads `owner/name` is a hub id and stays as it is."""
-    def resolve(p: str) -> str:
-        return str((base / p).resolve()) if p and not Path(p).is_absolute() else p
-
-    def resolve_model(p: str) -> str:
-        return p if MODEL_ID.fullmatch(p) and not (base / p).exists() else resolve(p)
-
-    cfg.model.path = resolve_model(cfg.model.path)
-    cfg.model.ref_path = resolve_model(cfg.model.ref_path)
-    cfg.data.train_path = resolve(cfg.data.train_path)
-    cfg.data.eval_path = resolve(cfg.data.eval_path)
-    cfg.data.ptx_path = resolve(cfg.data.ptx_path)
-    cfg.data.media_roots = [resolve(p) for p in cfg.data.media_roots]
-    cfg.critic.path = resolve_model(cfg.critic.path)
-    cfg.output.dir = resolve(cfg.output.dir)
-    if cfg.checkpoint.resume not in ("auto", "never"):
-        cfg.checkpoint.resume = resolve(cfg.checkpoint.resume)
 
 
 def component_name(spec: RecipeSpec) -> str:

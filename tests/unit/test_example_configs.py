@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vlrft.config import MODEL_ID, load_config
+from vlrft.config import load_config
+from vlrft.config_paths import MODEL_ID
 from vlrft.config_checks import check_world_size
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -124,10 +124,11 @@ def test_step_api_rows_are_contained_in_the_working_directory(tree, monkeypatch)
     assert canonical_row(image_row("../outside/secret.png"), 0, media=EXTERNAL)["id"] == "q1"
 
 
-def test_config_keys_change_what_loads(tree):
-    """`data.media_roots` (relative to the config file) and `data.allow_external_media`, read
+def test_config_keys_change_what_loads(tree, monkeypatch):
+    """`data.media_roots` (relative to where it is written) and `data.allow_external_media`, read
     through `media_from` as the trainer and the difficulty filter do."""
     data, outside = tree
+    monkeypatch.chdir(data)  # the overrides' `../outside` is relative to the current directory
     path = write_rows(data, [image_row("../outside/secret.png")])
     config = data.parent / "configs" / "run.yaml"
     config.parent.mkdir()
@@ -140,6 +141,9 @@ def test_config_keys_change_what_loads(tree):
         cfg = load_config(config, overrides)
         assert load_rows(path, media=media_from(cfg.data))[0]["id"] == "q1"
     assert load_config(config, ["data.media_roots=[../outside]"]).data.media_roots == [str(outside.resolve())]
+    in_file = config.with_name("roots.yaml")  # in the file: relative to configs/
+    in_file.write_text(f"model: {{path: model}}\ndata: {{train_path: {path}, media_roots: [../outside]}}\n")
+    assert load_config(in_file).data.media_roots == [str(outside.resolve())]
     with pytest.raises(ConfigError, match="data.media_roots"):
         load_config(config, ["data.media_roots=['']"])
 

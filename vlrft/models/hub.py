@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vlrft.config import MODEL_ID
+from vlrft.config_paths import MODEL_ID
 from vlrft.distributed import barrier
 from vlrft.errors import ConfigError
 

@@ -42,7 +42,7 @@ from vlrft.distributed import (
 from vlrft.distributed import world_size as role_world_size
 from vlrft.multiturn.in_flight import InFlight
 from vlrft.rank_watch import rank_ranges
-from vlrft.trainer.checkpoint import checkpoint_dir, rng_state, set_rng_state
+from vlrft.trainer.checkpoint import checkpoint_dir, checkpoint_due, rng_state, set_rng_state
 from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
 from vlrft.trainer.checkpoint_read import load_state, restoring
 from vlrft.trainer.dynamic_sampling import draw_prompts, round_seed
@@ -341,7 +341,6 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
                 trainer.logger.log(next_evaluation, metrics)
             next_evaluation += 1
 
-    every = cfg.checkpoint.save_steps
     for step in range(trainer.global_step + 1, cfg.train.total_steps + 1):
         waited = time.perf_counter()
         messages = receive()
@@ -375,7 +374,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         signum = trainer.stop_signal or sent_signal or 0
         stop = all_reduce_max_int(signum) if step < cfg.train.total_steps else 0
         assert stop or not trainer.engine.skipped, "weights withheld without a stop"
-        if stop or (every and step % every == 0):
+        if stop or checkpoint_due(step, cfg.checkpoint.save_steps, cfg.train.total_steps):
             # Every version before this step was evaluated already (the rollout ranks evaluate a
             # version as they take it, before they take the next): the checkpoint holds them all.
             log_evaluations(step - 1, wait=True)

@@ -84,6 +84,13 @@ def resume_path(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
+def checkpoint_due(step: int, save_steps: int, total_steps: int) -> bool:
+    """Every `save_steps` steps and at the last one (0: only on a signal). The last step's
+    checkpoint tells a rerun that the run finished, and lets a longer `train.total_steps`
+    go on from the end."""
+    return save_steps > 0 and (step % save_steps == 0 or step == total_steps)
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of `step` is published."""
     return Path(run_dir) / CHECKPOINTS / step_dir_name(step)

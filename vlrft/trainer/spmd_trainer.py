@@ -58,8 +58,9 @@ from vlrft.trainer.build import (
 )
 from vlrft import progress
 from vlrft.trainer import checkpoint_io
+from vlrft.trainer.run_start import start_run
 from vlrft.trainer.checkpoint_io import TrainingStopped
-from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state, set_rng_state
+from vlrft.trainer.checkpoint import checkpoint_due, rng_state, set_rng_state
 from vlrft.trainer.run_lock import claim_run_dir
 from vlrft.trainer.vision_modalities import agree_modalities, data_modalities
 from vlrft.trainer.critic_update import critic_update
@@ -103,10 +104,7 @@ class SPMDTrainer:
         self.out_dir = Path(cfg.output.dir)
         self.global_step = 0
         claim_run_dir(self.out_dir, self.rank)  # before anything in it is read, written or discarded
-        resume_from, start_step = resume_decision(cfg.checkpoint.resume, self.out_dir, self.rank, to_dict(cfg), self.world_size)
-        if resume_from is not None and self.rank == 0:  # validated: the abandoned future may go
-            # (Async runs evaluate the step they resume at again: its first evaluation arrived after the save.)
-            discard_after(self.out_dir, start_step, evaluation_at_step=cfg.train.mode == "async")
+        resume_from, start_step = start_run(cfg, self.out_dir, self.rank, self.world_size)
         # Asynchronous training: this rank generates or trains, and from here on its rank and
         # world are those of its role (trainer/async_roles.py).
         self.role, self.weights = "both", None  # an async run's routes of the weights (weights_delivery.WeightsRoutes)
@@ -267,7 +265,7 @@ class SPMDTrainer:
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.total_steps):
                 self._maybe_evaluate(step)
             stop = float(all_reduce_sum(torch.tensor([float(self.stop_signal is not None)]))) > 0
-            if stop or (cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0):
+            if stop or checkpoint_due(step, cfg.checkpoint.save_steps, cfg.train.total_steps):
                 saved = self.save_checkpoint()
             if stop:
                 self.logger.close()

@@ -16,6 +16,8 @@ import pytest
 import torch
 import yaml
 
+import vlrft
+
 from tests.integration.test_torchrun_training import free_port
 from vlrft.models.loader import load_model
 
@@ -207,7 +209,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_on_every_rank(tiny_text, 
     refusal = f"{tmp_path / 'run'} is in use by another run (pid {holder.pid} on host"
     assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
     # Only torchrun's own report has a traceback: no frame of vlrft's code is printed.
-    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+    assert not vlrft_frames(out), out[-4000:]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".vlrft.lock"]  # nothing written
 
 
@@ -261,13 +263,20 @@ def checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train: dict) -
     return tmp_path / "run"
 
 
+def vlrft_frames(out: str) -> list[str]:
+    """Traceback lines in vlrft's own code (torchrun's report of a failed rank has frames of its
+    own; a checkout's directory may be named vlrft too)."""
+    package = f'File "{Path(vlrft.__file__).parent}/'
+    return [line for line in out.splitlines() if line.strip().startswith(package)]
+
+
 def refused_on_both_ranks(config, refusal: str) -> None:
     """Resuming with `config` fails: both ranks print `refusal`, and no traceback of vlrft's."""
     proc = launch(config, ranks=2)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, out[-4000:]
     assert out.count(refusal) == 2, out[-4000:]  # rank 0 and rank 1, one line each
-    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "vlrft/" in line], out[-4000:]
+    assert not vlrft_frames(out), out[-4000:]
 
 
 def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_at_resume_and_never_runs(tiny_text, addition_data, tmp_path):

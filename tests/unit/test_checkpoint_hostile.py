@@ -96,11 +96,20 @@ def test_a_pickle_that_never_finishes_unpickling_is_refused_within_the_probe_tim
         decided.stdout + decided.stderr[-2000:]
 
 
+def nested(levels: int) -> dict:
+    value: dict = {}
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
 TRAINER_FILES = {  # a trainer.pt that is plain data, of the wrong shape: what the refusal names
     "a dict without the trainer's fields": (lambda state: {}, "it has no field 'step'"),
     "a list": (lambda state: [], "it holds a list, not a dict of trainer state"),
     "a step that is a string": (lambda state: {**state, "step": "five"}, "its field 'step' must be a step number"),
-    "no config": (lambda state: {**state, "config": None}, "its field 'config' must be a config (a dict)"),
+    "no config": (lambda state: {**state, "config": None}, "its field 'config' must be a config (a dict"),
+    # (compared key by key at resume; a file can nest deeper than the recursion limit: bounded)
+    "a config nested 100 levels deep": (lambda state: {**state, "config": nested(100)}, "its field 'config' must be a config"),
     "a KL controller without its coefficient": (lambda state: {**state, "kl_controller": {}}, "its field 'kl_controller'"),
     "evaluations that are not (step, accuracy)": (lambda state: {**state, "eval_history": [("a", 1.0)]},
                                                   "its field 'eval_history'"),

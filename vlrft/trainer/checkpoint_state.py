@@ -16,6 +16,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vlrft.json_shape import exceeds
+
 
 def restore_rng(state: dict, python, numpy, generator: torch.Generator) -> None:
     """Set python's, numpy's and torch's random streams from a saved `state` (checkpoint.rng_state):
@@ -82,6 +84,18 @@ def field_problem(state: dict, checks: list[tuple[str, Callable[[Any], bool], st
     return None
 
 
+# A saved config is compared with the run's key by key at resume (run_start.changed_keys):
+# walks and comparisons that recurse once per level. A real one nests about 6 levels (recipe
+# kwargs and environment arguments a few more); unpickling nests without recursing, so a file
+# can hold one deeper than Python's recursion limit.
+CONFIG_MAX_DEPTH = 32
+CONFIG_MAX_VALUES = 100_000
+
+
+def is_config(value: Any) -> bool:
+    return isinstance(value, dict) and exceeds(value, CONFIG_MAX_DEPTH, CONFIG_MAX_VALUES) is None
+
+
 def trainer_state_problem(state: Any, config: dict) -> str | None:
     """Why `state` (trainer.pt) is not one this run (`config`, a to_dict config) can resume
     from, or None."""
@@ -93,7 +107,7 @@ def trainer_state_problem(state: Any, config: dict) -> str | None:
     return field_problem(state, [
         ("step", is_int, "a step number (an int >= 0)"),
         ("world_size", lambda value: is_int(value, 1), "a number of ranks (an int >= 1)"),
-        ("config", lambda value: isinstance(value, dict), "a config (a dict)"),
+        ("config", is_config, f"a config (a dict nesting at most {CONFIG_MAX_DEPTH} levels)"),
         ("kl_controller", is_reals_dict("coef"), "a KL controller's state (a dict with a number 'coef')"),
         ("return_stats", *when(value_norm, is_reals_dict("mean_acc", "sq_acc", "weight"),
                                "value-normalisation statistics (numbers 'mean_acc', 'sq_acc', 'weight')")),

@@ -131,6 +131,13 @@ REFUSED_ARGUMENTS = {
     "AF_INET SOCK_PACKET (a packet socket)": ("socket", "2, 10, 0"),
     "AF_INET SOCK_RAW": ("socket", "2, 3, 1"),
     "AF_UNIX with a flag bit over a refused type": ("socket", "1, 0x80000 | 10, 0"),
+    # Protocols whose kernel modules load on demand (a family-and-type filter let them through).
+    "AF_INET SOCK_STREAM SCTP": ("socket", "2, 1, 132"),
+    "AF_INET6 SOCK_SEQPACKET SCTP": ("socket", "10, 5, 132"),
+    "AF_INET SOCK_DGRAM L2TP": ("socket", "2, 2, 115"),
+    "AF_INET SOCK_STREAM MPTCP": ("socket", "2, 1, 262"),
+    "AF_INET SOCK_DGRAM UDP-Lite": ("socket", "2, 2, 136"),
+    "TCP with high bits the kernel would truncate away": ("socket", "2, 1, ctypes.c_long(0x100000006)"),
 }
 
 
@@ -279,3 +286,58 @@ print(run_python({LIBC!r} + "import os\\nprint(os.getuid(), libc.syscall({KEYCTL
     if "unavailable" in done.stdout or "ModuleNotFoundError" in done.stderr:
         pytest.skip(f"no sandbox for an ordinary user here: {(done.stdout + done.stderr).strip()[-200:]}")
     assert done.stdout.split() == ["65534", "-1", str(errno.EPERM), "0"], (done.stdout, done.stderr)
+
+
+def test_tcp_and_udp_sockets_still_open_and_no_pseudo_terminal_does():
+    """What the protocol rules let through; and /dev/pts is hidden: a pseudo-terminal takes the
+    ioctl that attaches a line discipline, whose module loads on demand."""
+    result = run_python("""
+import os, socket
+for family in (socket.AF_INET, socket.AF_INET6):
+    for kind, protocol in ((socket.SOCK_STREAM, 0), (socket.SOCK_STREAM, 6), (socket.SOCK_DGRAM, 0), (socket.SOCK_DGRAM, 17)):
+        socket.socket(family, kind, protocol).close()
+socket.socketpair()
+print("sockets ok")
+for path in ("/dev/ptmx", "/dev/pts/ptmx"):
+    try:
+        os.open(path, os.O_RDWR | os.O_NOCTTY)
+        print("opened", path)
+    except OSError as err:
+        print(type(err).__name__)
+""")
+    assert result.stdout.split("\n")[:3] == ["sockets ok", "FileNotFoundError", "FileNotFoundError"], result
+
+
+def test_tcp_buffers_count_against_the_sandbox_under_cgroup_v1():
+    """cgroup v1 keeps TCP buffers out of a cgroup's usage until they have a limit of their own:
+    send queues filled and never read, their sockets closed (the queue stays, the descriptor
+    goes), held 220 MiB of host memory past a 256 MiB sandbox."""
+    from vlrft.isolation import memory_cgroup
+
+    where = memory_cgroup.parent()
+    if where is None or where[1] != 1:
+        pytest.skip("no writable cgroup v1 memory hierarchy here (v2 counts TCP buffers with the rest)")
+    result = run_python("""
+import socket
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+kept, queued = [], 0
+try:
+    while queued < 512 << 20:
+        sender = socket.socket()
+        sender.connect(server.getsockname())
+        kept.append(server.accept()[0])
+        sender.setblocking(False)
+        while True:
+            try:
+                queued += sender.send(b"x" * 65536)
+            except BlockingIOError:
+                break
+        sender.close()
+except OSError:
+    pass
+print(queued >> 20, flush=True)
+""", memory_mb=256, timeout_s=60)
+    assert result.stdout.strip(), result
+    assert int(result.stdout.split()[0]) <= 2 * memory_cgroup.TCP_BUFFER_BYTES >> 20, result

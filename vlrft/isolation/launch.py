@@ -96,7 +96,10 @@ class Launch:
                     made.add(str(parent))
                     argv += ["--perms", "0755", "--dir", str(parent)]
             argv += ["--ro-bind", source, inside]
-        argv += ["--proc", "/proc", "--size", "4096", "--tmpfs", "/proc/sys", "--dev", "/dev"]
+        # /dev/pts hidden: a pseudo-terminal takes ioctls that attach line disciplines, whose
+        # kernel modules load on demand, and an ioctl's argument cannot be filtered reliably.
+        argv += ["--proc", "/proc", "--size", "4096", "--tmpfs", "/proc/sys", "--dev", "/dev",
+                 "--size", "4096", "--tmpfs", "/dev/pts"]
         for name, path in files.items():
             argv += ["--file", str(self._keep(os.open(path, os.O_RDONLY))), f"/tmp/{name}"]
         # bwrap's own root and /dev are tmpfs without a size: read-only, /tmp stays the only

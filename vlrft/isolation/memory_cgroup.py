@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 KERNEL_MARGIN = 64 * 1024 * 1024  # page tables, kernel stacks, pipes, inodes: beyond the program's own memory
+# cgroup v1 keeps TCP buffers out of memory.usage_in_bytes and counts them only under a limit of
+# their own (queues filled and never read held 220 MiB of host memory past a 256 MiB sandbox).
+TCP_BUFFER_BYTES = 16 * 1024 * 1024
 _made = itertools.count()
 
 
@@ -79,6 +82,9 @@ def create(limit_bytes: int) -> str | None:
     try:
         os.mkdir(path)
         Path(path, _limit_file(version)).write_text(f"{limit_bytes}\n")
+        tcp = os.path.join(path, "memory.kmem.tcp.limit_in_bytes")  # v1 counts TCP buffers only once set (v2 always)
+        if version == 1 and os.path.exists(tcp):
+            Path(tcp).write_text(f"{TCP_BUFFER_BYTES}\n")
         swap = "memory.memsw.limit_in_bytes" if version == 1 else "memory.swap.max"
         if os.path.exists(os.path.join(path, swap)):  # swap counted: memory pushed to swap still counts
             Path(path, swap).write_text(f"{limit_bytes if version == 1 else 0}\n")

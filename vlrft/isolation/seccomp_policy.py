@@ -6,7 +6,7 @@ cd3bed8 of 2026-06-30; its unconditional SCMP_ACT_ALLOW names, copied below as t
 a policy maintained against the kernel's new calls (io_uring left it in 2024). From that list
 the sandbox removes what a Python program scoring a reward does not need and what would get
 around the sandbox's own accounting (REMOVED, each with its reason), and narrows four calls
-by their arguments (new processes, socket families and types, personality). Calls that Docker allows
+by their arguments (new processes, socket families, types and protocols, personality). Calls that Docker allows
 only with a capability (mount, bpf, perf_event_open, ptrace, ...) or that it leaves out
 (keyctl, add_key, request_key, userfaultfd, ...) are refused, since nothing adds them.
 
@@ -93,10 +93,14 @@ REMOVED = {
 
 # Allowed only for some arguments (argument index, comparison, values); the rest refused.
 CLONE_THREAD = 0x00010000
-SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: a network namespace confines IP
-# SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET (the type's low bits; its high bits are flags). Not
-# SOCK_PACKET, which AF_INET turns into a packet socket, nor SOCK_RAW.
-SOCKET_TYPES = (1, 2, 5)
+# (family, type, protocol): AF_UNIX (1) stream, datagram and seqpacket; AF_INET (2) and AF_INET6
+# (10) TCP and UDP, protocol 0 or named (6, 17); a network namespace confines IP. The type is
+# compared in its low bits (the high ones are flags). Nothing else: not SOCK_PACKET or SOCK_RAW,
+# and no other protocol, since the kernel loads a protocol's module on demand (SCTP, L2TP,
+# MPTCP and UDP-Lite sockets passed a family-and-type filter). Each rule allows one exact value:
+# a value with high bits set, which the kernel would truncate to an int, matches none.
+SOCKETS = [(1, kind, 0) for kind in (1, 2, 5)] + [
+    (family, kind, protocol) for family in (2, 10) for kind, protocols in ((1, (0, 6)), (2, (0, 17))) for protocol in protocols]
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # Docker's: PER_LINUX and flags, and query
 ARCH_ONLY = {"x86_64": ("arch_prctl",)}  # Docker allows it on amd64: threads' TLS needs it
 ARCHES = {"x86_64": "X86_64", "aarch64": "AARCH64"}  # where the argument rules below hold (s390 orders clone's otherwise)
@@ -144,9 +148,9 @@ def make_filter(machine: str | None = None):
     flt.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, CLONE_THREAD))
     # clone3's flags sit in memory a filter cannot read: ENOSYS makes libc fall back to clone.
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    for family in SOCKET_FAMILIES:
-        for kind in SOCKET_TYPES:
-            flt.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, family), sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
+    for family, kind, protocol in SOCKETS:
+        flt.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, family), sc.Arg(1, sc.MASKED_EQ, 0xF, kind),
+                     sc.Arg(2, sc.EQ, protocol))
     # A pair of connected sockets: Unix ones only (another family's creation code, AF_TIPC's,
     # would load its kernel module on demand).
     flt.add_rule(sc.ALLOW, "socketpair", sc.Arg(0, sc.EQ, 1))

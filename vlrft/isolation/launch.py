@@ -31,6 +31,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -157,8 +159,72 @@ class Launch:
             except ProcessLookupError:
                 pass
         proc.wait()
+        with _started_lock:
+            _started.discard(proc.pid)
+        if self.bwrap is not None:
+            reap_orphaned_sandboxes()
         if self.cgroup is not None:
             memory_cgroup.remove(self.cgroup)
+
+
+# bwrap's outer process exits as soon as it has the program's status, before its PID-namespace
+# init (the inner bwrap) has exited: the kernel hands that one to the nearest subreaper, else
+# to PID 1, and it stays a zombie until whoever that is reaps it. A trainer that is PID 1 of
+# its container, or torchrun there, never does: every sandbox call would leak a pid until fork
+# fails. So the process that starts sandboxes is a subreaper itself and reaps them (only
+# zombies named bwrap that it did not start: another thread's Popen waits on those).
+PR_SET_CHILD_SUBREAPER = 36
+_started: set[int] = set()  # pids of bwraps started here and not yet reaped by their Popen
+_started_lock = threading.Lock()
+
+
+def _forget_parents_sandboxes() -> None:
+    """In a forked child: its parent's bwraps are not its children, and a lock another thread
+    held at the fork would stay held."""
+    global _started_lock
+    _started.clear()
+    _started_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parents_sandboxes)
+
+
+def reap_orphaned_sandboxes(wait_s: float = 1.0) -> None:
+    """Reap this process's children named bwrap that no Popen of its own waits on: the inner
+    bwraps handed over when their outer one ended, which die with it (--die-with-parent);
+    waiting up to `wait_s` for those still exiting."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with _started_lock:
+            orphans = [(pid, state) for pid, state in _children("bwrap") if pid not in _started]
+            for pid, state in orphans:
+                if state == "Z":
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+        if all(state == "Z" for _, state in orphans) or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def _children(name: str) -> list[tuple[int, str]]:
+    """(pid, state) of this process's children whose command is `name`."""
+    me, found = os.getpid(), []
+    for task in Path(f"/proc/{me}/task").glob("*/children"):  # (empty where the kernel lacks CONFIG_PROC_CHILDREN)
+        try:
+            pids = task.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            comm, _, rest = stat.partition(" (")[2].rpartition(") ")
+            if comm == name:
+                found.append((int(pid), rest.split()[0]))
+    return found
 
 
 def spawn_in_fresh_keyring(argv: list[str], **popen) -> subprocess.Popen:
@@ -174,7 +240,10 @@ def _spawn(argv: list[str], popen: dict) -> subprocess.Popen:
     number = _KEYCTL.get(platform.machine())
     if number is not None:
         ctypes.CDLL(None, use_errno=True).syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
-    return subprocess.Popen(argv, **popen)
+    with _started_lock:
+        proc = subprocess.Popen(argv, **popen)
+        _started.add(proc.pid)
+    return proc
 
 
 _spawners: dict[int, ThreadPoolExecutor] = {}
@@ -188,6 +257,7 @@ def _spawner() -> ThreadPoolExecutor:
     if pid not in _spawners:
         _spawners.clear()
         _spawners[pid] = ThreadPoolExecutor(1, thread_name_prefix="vlrft-sandbox-spawn")
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # (reap_orphaned_sandboxes)
     return _spawners[pid]
 
 

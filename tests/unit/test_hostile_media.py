@@ -75,6 +75,36 @@ def test_an_image_in_a_format_not_read_is_a_bad_prompt(tmp_path, tiny_vl, name, 
     assert str(err.value) == message
 
 
+def test_a_row_whose_images_alone_overflow_the_prompt_is_refused_from_their_headers(tmp_path, tiny_vl, monkeypatch):
+    """One small PNG named 80 times: each part decodes to a large image (80 of a 1990-pixel
+    square held 5.7 GiB), so the row is refused once its images' tokens, counted from their
+    headers, pass data.max_prompt_tokens, before the rest are decoded. A row within the limit
+    encodes, with the tokens the header count predicted."""
+    from vlrft.data import encoding
+
+    Image.new("RGB", (600, 600), (200, 0, 0)).save(tmp_path / "big.png")  # resized to max_pixels: 112 x 112
+    decoded = []
+    monkeypatch.setattr(encoding, "load_rgb_image", lambda *a, **k: decoded.append(1) or load_rgb_image(*a, **k))
+    encoder = PromptEncoder(tiny_vl, 56 * 56, 112 * 112, 512)
+
+    def row(parts: int) -> dict:
+        images = [{"type": "image", "image": "big.png"}] * parts
+        (tmp_path / "train.jsonl").write_text(json.dumps({"id": "many", "answer": "a", "messages": [
+            {"role": "user", "content": [*images, {"type": "text", "text": "?"}]}]}) + "\n")
+        return load_rows(tmp_path / "train.jsonl")[0]
+
+    each = encoder.image_tokens(*encoder.loaded_size((tmp_path / "big.png").read_bytes()))
+    over = 512 // each + 1  # the first image past the limit
+    assert each >= 4 and over < 80
+    with pytest.raises(DataError, match=rf"^row id 'many': its first {over} images alone take {over * each} tokens > "
+                                        r"data.max_prompt_tokens=512 \(refused before decoding them\)$"):
+        encoder.encode(row(80), 0)
+    assert len(decoded) == over - 1
+    within = over // 2  # images and text within the limit: encoded, with the tokens the headers said
+    prompt = encoder.encode(row(within), 0)
+    assert int(prompt.mm_inputs["image_grid_thw"].prod(-1).sum()) // 4 == within * each
+
+
 def test_the_reward_server_reads_the_same_image_formats():
     from vlrft.rewards import wire
 

@@ -20,7 +20,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from vlrft.data.dataset import DataError, image_sources, parts_of
-from vlrft.data.images import load_rgb_image
+from vlrft.data.images import load_rgb_image, loaded_size
 from vlrft.data.media import open_media
 from vlrft.data.video import VIDEO_PAD, Clip, group_timestamps, read_clip, video_placeholder, video_pixels
 from vlrft.data.video_file import VIDEO_DECODE_TIMEOUT_S, VIDEO_MAX_DECODED_PIXELS, VideoFiles
@@ -106,20 +106,55 @@ class PromptEncoder:
         with open_media(source) as file:
             return load_rgb_image(file, max_pixels=max_pixels)
 
+    def loaded_size(self, source: str | bytes) -> tuple[int, int]:
+        """The size `load_image` hands the image processor, from the image's header alone."""
+        if isinstance(source, bytes):
+            return loaded_size(io.BytesIO(source), self.max_pixels)
+        with open_media(source) as file:
+            return loaded_size(file, self.max_pixels)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """The tokens an image of this size becomes, resized into [min_pixels, max_pixels], as the
+        image processor counts them; 0 where it cannot tell (the prompt's length is then checked
+        once its images are decoded). ValueError for a size it refuses (aspect ratio)."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            return 0
+        patches = count(height, width, {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
+        return patches // getattr(self.image_processor, "merge_size", 1) ** 2
+
+    def load_images(self, sources: list, where: str) -> list[Image.Image]:
+        """A row's images, in order. Each image's tokens are counted from its header before any
+        is decoded: a row may name one image many times (80 parts of a 16 KB PNG held 5.7 GiB),
+        and its prompt would be refused for its length only after all were decoded."""
+        images, tokens = [], 0
+        for k, source in enumerate(sources):
+            name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
+            try:
+                size = self.loaded_size(source)
+            except Exception as err:  # noqa: BLE001 - as load_image's, below
+                raise DataError(f"{where}: cannot read image {name} ({err})") from None
+            try:
+                tokens += self.image_tokens(*size)
+            except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
+                raise DataError(f"{where}: cannot use its image ({err})") from None
+            if tokens > self.max_prompt_tokens:
+                raise DataError(f"{where}: its first {k + 1} images alone take {tokens} tokens > "
+                                f"data.max_prompt_tokens={self.max_prompt_tokens} (refused before decoding them)")
+            try:
+                images.append(self.load_image(source))
+            except Exception as err:  # noqa: BLE001 - PIL's decoders raise many types (OSError,
+                # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
+                raise DataError(f"{where}: cannot read image {name} ({err})") from None
+        return images
+
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
         where = f"row id {row['id']!r}"
         sources = image_sources(row)
         if sources and self.image_processor is None:
             raise DataError(f"{where} has images but the model checkpoint has no image processor")
-        images = []
-        for k, source in enumerate(sources):
-            try:
-                images.append(self.load_image(source))
-            except Exception as err:  # noqa: BLE001 - PIL's decoders raise many types (OSError,
-                # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
-                name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
-                raise DataError(f"{where}: cannot read image {name} ({err})") from None
+        images = self.load_images(sources, where)
         clips = []
         for k, part in enumerate(parts_of(row, "video")):
             if self.image_processor is None or self.video_refusal:

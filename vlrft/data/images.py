@@ -12,6 +12,7 @@ refused before its pixels are decoded.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -36,6 +37,34 @@ def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
     between 1x and 2.25x `max_pixels`, so the image processor (which resizes into
     `[min_pixels, max_pixels]` anyway) never holds a full-size float copy of a huge photo.
     """
+    with opened(source) as img:
+        if img.format in ("JPEG", "MPO"):  # MPO: a JPEG holding more pictures (cameras' stereo shots)
+            scans = jpeg_scans(img.fp)
+            if scans > MAX_JPEG_SCANS:
+                raise ValueError(f"a JPEG of {scans} scans, over {MAX_JPEG_SCANS}; refused before decoding")
+        rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
+    return shrunk(rgb, max_pixels)
+
+
+def shrunk(rgb: Image.Image, max_pixels: int | None) -> Image.Image:
+    """`rgb` reduced by `reduction`'s factor."""
+    factor = reduction(*rgb.size, max_pixels)
+    return rgb.reduce(factor) if factor >= 2 else rgb
+
+
+def loaded_size(source, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) of what `load_rgb_image(source, max_pixels)` returns, from the header
+    alone: nothing decoded."""
+    with opened(source) as img:
+        width, height = img.size
+    factor = reduction(width, height, max_pixels)
+    return (-(-width // factor), -(-height // factor)) if factor >= 2 else (width, height)  # reduce rounds up
+
+
+@contextlib.contextmanager
+def opened(source):
+    """The image, opened lazily (its header read) if it is of IMAGE_FORMATS and within PIL's
+    decompression-bomb limit; closed after."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
@@ -44,19 +73,13 @@ def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
             raise UnidentifiedImageError(f"cannot identify image file as {', '.join(IMAGE_FORMATS[:-1])} or "
                                          f"{IMAGE_FORMATS[-1]}, the image formats read") from None
         with img:
-            if img.format in ("JPEG", "MPO"):  # MPO: a JPEG holding more pictures (cameras' stereo shots)
-                scans = jpeg_scans(img.fp)
-                if scans > MAX_JPEG_SCANS:
-                    raise ValueError(f"a JPEG of {scans} scans, over {MAX_JPEG_SCANS}; refused before decoding")
-            rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
-    return shrunk(rgb, max_pixels)
+            yield img
 
 
-def shrunk(rgb: Image.Image, max_pixels: int | None) -> Image.Image:
-    """`rgb` reduced by an integer factor to between 1x and 2.25x `max_pixels` when it has 4x
-    that or more; as it is otherwise."""
-    factor = math.isqrt(rgb.width * rgb.height // max_pixels) if max_pixels else 1
-    return rgb.reduce(factor) if factor >= 2 else rgb
+def reduction(width: int, height: int, max_pixels: int | None) -> int:
+    """The integer factor an image of 4x `max_pixels` or more is reduced by, to between 1x and
+    2.25x `max_pixels`; 1 (none) below that."""
+    return math.isqrt(width * height // max_pixels) if max_pixels else 1
 
 
 def jpeg_scans(fp) -> int:

@@ -161,7 +161,7 @@ class Launch:
         proc.wait()
         with _started_lock:
             _started.discard(proc.pid)
-        if self.bwrap is not None:
+        if self.bwrap is not None and receives_orphans():
             reap_orphaned_sandboxes()
         if self.cgroup is not None:
             memory_cgroup.remove(self.cgroup)
@@ -169,11 +169,13 @@ class Launch:
 
 # bwrap's outer process exits as soon as it has the program's status, before its PID-namespace
 # init (the inner bwrap) has exited: the kernel hands that one to the nearest subreaper, else
-# to PID 1, and it stays a zombie until whoever that is reaps it. A trainer that is PID 1 of
-# its container, or torchrun there, never does: every sandbox call would leak a pid until fork
-# fails. So the process that starts sandboxes is a subreaper itself and reaps them (only
-# zombies named bwrap that it did not start: another thread's Popen waits on those).
-PR_SET_CHILD_SUBREAPER = 36
+# to PID 1, and it stays a zombie until that process reaps it. A trainer that is PID 1 of its
+# container (or a subreaper) receives them, and Python reaps only children it started: every
+# sandbox call would leak a pid until fork fails. Such a trainer reaps them, only zombies named
+# bwrap that it did not start itself (another thread's Popen waits on those). It does not make
+# itself a subreaper: every other orphan of its descendants (an environment worker's killed
+# children) would then stay its zombie. Under torchrun as PID 1, run an init (docs/security.md).
+PR_GET_CHILD_SUBREAPER = 37
 _started: set[int] = set()  # pids of bwraps started here and not yet reaped by their Popen
 _started_lock = threading.Lock()
 
@@ -187,6 +189,13 @@ def _forget_parents_sandboxes() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parents_sandboxes)
+
+
+def receives_orphans() -> bool:
+    """Whether orphaned processes are handed to this one: PID 1 of its namespace, or a subreaper."""
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return os.getpid() == 1 or flag.value != 0
 
 
 def reap_orphaned_sandboxes(wait_s: float = 1.0) -> None:
@@ -257,7 +266,6 @@ def _spawner() -> ThreadPoolExecutor:
     if pid not in _spawners:
         _spawners.clear()
         _spawners[pid] = ThreadPoolExecutor(1, thread_name_prefix="vlrft-sandbox-spawn")
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # (reap_orphaned_sandboxes)
     return _spawners[pid]
 
 

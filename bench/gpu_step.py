@@ -3,6 +3,9 @@
     python bench/gpu_step.py                      # 0.5B, 1.5B, 3B shapes; ZeRO-2/3 x checkpointing
     python bench/gpu_step.py --shapes 1.5B --zero 3 --checkpointing on
     python bench/gpu_step.py --shapes 1.5B --zero 2 --checkpointing on --weights bf16   # DeepSpeed's bf16 mode under ZeRO-2
+    python bench/gpu_step.py --shapes 1.5B --zero 2 --checkpointing on --fused-head chunked   # Liger's head off
+    python bench/gpu_step.py --shapes 1.5B --zero 2 --checkpointing on --budget 32768 \
+        --compile off on --fused-head chunked liger       # compile x LM head: one process per setting
     python bench/gpu_step.py --shapes tiny --device cpu --compute-dtype float32 --samples 8 --budget 2048 \
         --repeats 1 --rollout-prompts 4 --new-tokens 16   # smoke run: a minute on a CPU
 
@@ -11,9 +14,9 @@ Each shape is a Qwen2.5-VL model built from its published text dimensions with r
 over text-only data never calls it). The update is vlrft's own: DeepSpeed backend (ZeRO-2, or
 ZeRO-3 in bf16 mode; `--weights bf16` puts ZeRO-2 in bf16 mode too, where vlrft keeps fp32
 weights under autocast), packed micro-batches of `--budget` tokens through `policy_forward`
-(varlen attention, chunked LM head on response tokens), a token-mean policy-gradient loss,
-backward and optimizer step. Rollouts have a 256-token prompt and response lengths skewed
-between 64 and 1024 tokens.
+(varlen attention, the LM head on response tokens: `--fused-head`, as model.fused_head), a
+token-mean policy-gradient loss, backward and optimizer step. Rollouts have a 256-token prompt
+and response lengths skewed between 64 and 1024 tokens.
 
 Memory: activations without checkpointing are ~96 KB per token and decoder layer at the 1.5B
 shape (bf16, saved-tensor bytes counted on CPU), so the default 8192-token micro-batch holds
@@ -31,8 +34,13 @@ host that seldom waits: the update is bound by launching kernels).
 MFU counts model FLOPs (a checkpointed layer's recomputation is not counted): 6 x (decoder
 matmul parameters) per token, plus causal attention 6 x 2 x layers x hidden x s^2 / 2 per
 sequence of length s (QK^T and AV, forward and backward), plus the LM head 6 x hidden x vocab
-per response token, divided by the update time and `--peak-tflops` (989: H100 SXM dense bf16). Then the HF engine's rollout
-throughput: sampled `generate` (the HF engine's sampling settings) of 64 prompts x 256 tokens;
+per response token (vlrft/metrics/flops.py, the count behind a run's perf/mfu), divided by the
+update time and `--peak-tflops` (989: H100 SXM dense bf16); beside it "6N only", the matmul
+parameters' share alone (no attention). `--compile on` compiles each decoder layer
+(`model.compile`; the warm-up update pays the compilation). Then the HF engine's rollout
+throughput (vlrft's HFEngine on the shape saved to a temporary directory; sampled, 64 prompts x
+256 tokens, every response to the end), once per `--hf-decode` (rollout.hf_decode: dynamic |
+static, the compiled CUDA-graph step; its first call, compilation included, printed beside it);
 and the optimizer step, torch's fused AdamW (vlrft's) against its foreach form and the memory
 bound. Last, whether pinned host memory pays for moving a VL update's pixel inputs to the GPU.
 """
@@ -53,6 +61,9 @@ from vlrft.distributed import exit_process, init_distributed
 from vlrft.models.packing import pack, split_by_token_budget
 from vlrft.models.attention import COMPUTE_DTYPES, resolve_attention
 from vlrft.models.forward import policy_forward
+from vlrft.models.fused_head import FUSED_HEADS, fused_head_problem, resolve_fused_head
+from vlrft.metrics.flops import FlopCount
+from vlrft.models.compiled_layers import compile_layers
 from vlrft.models.loader import enable_gradient_checkpointing
 from vlrft.models.vision_calls import declare_modalities
 from vlrft.types import Prompt, Rollout
@@ -108,15 +119,11 @@ def rollouts(n: int, seed: int = 0) -> list[Rollout]:
     return out
 
 
-def model_flops(shape: str, samples: list[Rollout]) -> float:
-    """Training FLOPs (forward + backward) of one update over `samples`, as the docstring counts them."""
-    hidden, layers, heads, kv_heads, mlp = SHAPES[shape]
-    kv = hidden // heads * kv_heads
-    layer_params = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp
-    tokens = sum(len(r.prompt.prompt_ids) + len(r.response_ids) for r in samples)
-    attention = sum(2 * layers * hidden * (len(r.prompt.prompt_ids) + len(r.response_ids)) ** 2 / 2 for r in samples)
-    head = hidden * VOCAB * sum(len(r.response_ids) for r in samples)
-    return 6 * (layers * layer_params * tokens + attention + head)
+def model_flops(model: torch.nn.Module, samples: list[Rollout], attention: bool = True) -> float:
+    """Training FLOPs (forward + backward) of one update over `samples`, as the docstring counts
+    them (vlrft's own count, the one behind a run's perf/mfu); without `attention`, 6N only."""
+    lengths = [len(r.prompt.prompt_ids) + len(r.response_ids) for r in samples]
+    return FlopCount.of(model).flops(lengths, None, sum(len(r.response_ids) for r in samples), attention)
 
 
 def one_update(backend: DeepSpeedBackend, batches, device: str) -> None:
@@ -220,12 +227,15 @@ def profile_update(backend: DeepSpeedBackend, batches, device: str) -> str:
     return line
 
 
-def bench_update(shape, zero, checkpointing, args) -> str:
+def bench_update(shape, zero, checkpointing, compiled, args) -> str:
     start = time.perf_counter()
     model = build_model(shape, args.attention_impl, args.compute_dtype, args.device)
+    model.fused_head = head = resolve_fused_head(args.fused_head[0], args.compute_dtype, model.lm_head)
     declare_modalities(model.model, ())  # text-only data, as a run over it declares: the tower never runs
     if checkpointing:
         enable_gradient_checkpointing(model)
+    if compiled:
+        compile_layers(model)  # after checkpointing, before DeepSpeed: vlrft's order
     bf16_weights = uses_bf16_weights(args.compute_dtype, zero) or (args.compute_dtype == "bfloat16" and args.weights == "bf16")
     backend = DeepSpeedBackend(model, lr=1e-6, weight_decay=0.0, grad_clip=1.0, zero_stage=zero, bf16_weights=bf16_weights)
     samples = rollouts(args.samples)
@@ -240,35 +250,54 @@ def bench_update(shape, zero, checkpointing, args) -> str:
     spent = (f"setting took {timing - start:.0f} s to build, {profiling - timing:.0f} s to time, "
              f"{time.perf_counter() - profiling:.0f} s to profile")
     tokens = sum(b.input_ids.numel() for b in batches)
-    mfu = model_flops(shape, samples) / seconds / (args.peak_tflops * 1e12)
+    mfu, mfu_6n = (model_flops(model, samples, attention) / seconds / (args.peak_tflops * 1e12) for attention in (True, False))
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     del backend, model
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  "
-            f"{'bf16' if bf16_weights else 'fp32'} weights  {len(batches)} micro-batches  "
-            f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}%  peak {peak:6.2f} GiB  update {seconds:.3f} s\n"
+    return (f"{shape:>5} ZeRO-{zero} checkpointing {'on ' if checkpointing else 'off'}  {'compiled' if compiled else 'eager'}  "
+            f"{'bf16' if bf16_weights else 'fp32'} weights  {head} head  {len(batches)} micro-batches  "
+            f"{tokens / seconds:9.0f} tokens/s  MFU {100 * mfu:5.1f}% (6N only {100 * mfu_6n:4.1f}%)  peak {peak:6.2f} GiB  update {seconds:.3f} s\n"
             f"        {profile}\n        {spent}")
 
 
 @torch.no_grad()
 def bench_rollout(shape, args) -> str:
-    from transformers import GenerationConfig
+    import tempfile
 
-    model = build_model(shape, "sdpa", args.compute_dtype, args.device).eval().to(COMPUTE_DTYPES[args.compute_dtype])
-    prompts = torch.randint(10, VOCAB, (args.rollout_prompts, PROMPT_TOKENS), device=args.device)
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens,
-                              min_new_tokens=args.new_tokens, pad_token_id=0)
-    model.generate(input_ids=prompts[:2], generation_config=config)  # warm-up
+    from data_tools.tiny_tokenizer import build_tokenizer
+    from vlrft.engines.base import SamplingParams
+    from vlrft.engines.hf_engine import HFEngine
+    from vlrft.engines.static_decode import shape_bucket
+
+    decode = args.hf_decode[0]
+    tokenizer = build_tokenizer()  # (decodes the rollouts' text only: ids past its vocabulary decode to "")
+    g = torch.Generator().manual_seed(0)
+    prompts = [Prompt(id=str(i), data_source="bench", answer="", meta={}, prompt_text="", index=i,
+                      prompt_ids=torch.randint(10, VOCAB, (PROMPT_TOKENS,), generator=g).tolist())
+               for i in range(args.rollout_prompts)]
+    with tempfile.TemporaryDirectory() as model_dir:
+        model = build_model(shape, "sdpa", args.compute_dtype, args.device).to(COMPUTE_DTYPES[args.compute_dtype])
+        model.save_pretrained(model_dir)
+        del model
+        # Stop id VOCAB: no model samples it, so every response runs to --new-tokens.
+        engine = HFEngine(model_dir, tokenizer, [VOCAB], [], max_batch=args.rollout_prompts,
+                          compute_dtype=args.compute_dtype, decode=decode)
+    # Warm-up (static: compiles and captures its step) on the same shapes, fewer tokens where
+    # the cache length rounds to the same bucket.
+    warm = 8 if shape_bucket(PROMPT_TOKENS + 8) == shape_bucket(PROMPT_TOKENS + args.new_tokens) else args.new_tokens
+    first = best_seconds(lambda: engine.generate(prompts, SamplingParams(1, warm, temperature=1.0)), args.device, repeats=1)
+    params = SamplingParams(n=1, max_new_tokens=args.new_tokens, temperature=1.0)
     if args.device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    rollouts = engine.generate(prompts, params)
     if args.device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    generated = (out.shape[1] - PROMPT_TOKENS) * out.shape[0]
-    return f"{shape:>5} HF engine rollout  {generated} tokens in {seconds:.2f} s = {generated / seconds:8.0f} tokens/s"
+    generated = sum(len(r.response_ids) for r in rollouts)
+    return (f"{shape:>5} HF engine rollout (hf_decode {decode:7s}) {generated} tokens in {seconds:.2f} s = "
+            f"{generated / seconds:8.0f} tokens/s (first call, {warm} tokens, compilation included: {first:.1f} s)")
 
 
 PATCHES_PER_IMAGE = 5184  # a 1008 x 1008 image: 72 x 72 patches of 14 x 14 (1,296 tokens after the 2 x 2 merge)
@@ -319,13 +348,14 @@ def bench_optimizer(shape, args) -> str:
             f"{bandwidth / 1e12:.2f} TB/s copied (fused {seconds['fused'] / bound:.2f}x the bound)")
 
 
-def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", only: str = "update") -> list[str]:
+def child_command(args, shape: str, zero: int = 0, checkpointing: str = "off", only: str = "update",
+                  compiled: str = "off", head: str = "auto") -> list[str]:
     """This script, measuring one setting in a process of its own."""
     return [sys.executable, __file__, "--only", only, "--shapes", shape, "--zero", str(zero), "--checkpointing",
-            checkpointing, "--device", args.device, "--attention", args.attention, "--compute-dtype", args.compute_dtype,
+            checkpointing, "--compile", compiled, "--device", args.device, "--attention", args.attention, "--compute-dtype", args.compute_dtype,
             "--samples", str(args.samples), "--budget", str(args.budget), "--repeats", str(args.repeats),
             "--peak-tflops", str(args.peak_tflops), "--rollout-prompts", str(args.rollout_prompts),
-            "--new-tokens", str(args.new_tokens), "--weights", args.weights]
+            "--new-tokens", str(args.new_tokens), "--weights", args.weights, "--fused-head", head]
 
 
 def main() -> None:
@@ -333,6 +363,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B"], choices=list(SHAPES))
     parser.add_argument("--zero", nargs="+", type=int, default=[2, 3])
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
+                        help="model.compile: each decoder layer compiled (ZeRO-3: off only)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--attention", default="auto", help="model.attention (auto picks a varlen kernel on GPU)")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=list(COMPUTE_DTYPES))
@@ -345,10 +377,17 @@ def main() -> None:
     parser.add_argument("--weights", default="vlrft", choices=["vlrft", "bf16"],
                         help="vlrft: fp32 weights under autocast for ZeRO 0-2, bf16 mode for ZeRO-3; bf16: bf16 mode "
                              "for ZeRO-2 too")
+    parser.add_argument("--fused-head", nargs="+", default=["auto"], choices=FUSED_HEADS,
+                        help="model.fused_head: the update's LM head")
+    parser.add_argument("--hf-decode", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"],
+                        help="rollout.hf_decode of the HF engine rollout lines")
     parser.add_argument("--only", choices=["update", "rollout", "optimizer", "transfer"], help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.weights == "bf16" and min(args.zero) < 2:
         parser.error("--weights bf16 needs --zero 2 or 3 (DeepSpeed sums bf16 weights' gradients in fp32 there only)")
+    for head in args.fused_head:
+        if problem := fused_head_problem(head, args.compute_dtype):
+            parser.error(problem.replace("config key 'model.fused_head'", "--fused-head"))
     if args.only:
         init_distributed()  # a world of one: DeepSpeed needs a process group
         args.attention_impl = resolve_attention(args.attention, args.compute_dtype)
@@ -356,7 +395,7 @@ def main() -> None:
         if args.only == "transfer":
             print(bench_transfer(args), flush=True)
         else:
-            bench = {"update": lambda: bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args),
+            bench = {"update": lambda: bench_update(shape, args.zero[0], args.checkpointing[0] == "on", args.compile[0] == "on", args),
                      "rollout": lambda: bench_rollout(shape, args), "optimizer": lambda: bench_optimizer(shape, args)}
             try:
                 print(bench[args.only](), flush=True)
@@ -376,8 +415,13 @@ def main() -> None:
     for shape in args.shapes:
         for zero in args.zero:
             for ckpt in args.checkpointing:
-                run_child(child_command(args, shape, zero, ckpt), f"{shape:>5} ZeRO-{zero} checkpointing {ckpt}")
-        run_child(child_command(args, shape, only="rollout"), f"{shape:>5} HF engine rollout")
+                for compiled in args.compile if zero != 3 else ["off"]:
+                    for head in args.fused_head:
+                        run_child(child_command(args, shape, zero, ckpt, compiled=compiled, head=head),
+                                  f"{shape:>5} ZeRO-{zero} checkpointing {ckpt} compile {compiled} {head} head")
+        for decode in args.hf_decode:
+            run_child(child_command(args, shape, only="rollout") + ["--hf-decode", decode],
+                      f"{shape:>5} HF engine rollout (hf_decode {decode})")
         run_child(child_command(args, shape, only="optimizer"), f"{shape:>5} AdamW step")
     run_child(child_command(args, args.shapes[0], only="transfer"), "host-to-device copies")
 

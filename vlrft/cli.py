@@ -1,5 +1,6 @@
 """`vlrft train CONFIG [section.key=value ...]`: launched under torchrun, one process per rank.
 `vlrft reward-server --recipe NAME [--kwargs JSON] [--host H --token-file F]`: serve a reward recipe over HTTP.
+`vlrft teacher-server --model PATH [--host H --token-file F]`: serve a distillation teacher over HTTP (teacher.url).
 `vlrft report RUN_DIR [--out PATH] [--top-k N]`: an offline HTML report of saved trajectories."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import NoReturn
 
 from vlrft.config import load_config
 from vlrft.errors import ConfigError, VlrftError
+from vlrft.models.teacher_server_cli import add_teacher_server_flags, teacher_server_options
 from vlrft.rewards.server_cli import add_reward_server_guards, reward_server_options
 from vlrft.trajectory.report import DEFAULT_TOP_K, write_report
 
@@ -25,12 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     server = sub.add_parser("reward-server", help="serve a reward recipe over HTTP (POST /score, GET /health)")
     server.add_argument("--recipe", required=True, help="built-in or plugin name, pkg.mod:fn or file.py:fn")
     server.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the recipe")
-    server.add_argument("--host", default="127.0.0.1", help="any address but loopback needs a token")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--threads", type=int, default=4, help="requests served at once")
     server.add_argument("--timeout-s", type=float, default=60.0,
                         help="per-request recipe timeout: a call past it is killed (a code recipe: --max-code-seconds)")
     add_reward_server_guards(server)
+    teacher = sub.add_parser("teacher-server", help="serve a distillation teacher over HTTP (POST /logprobs, GET /health)")
+    add_teacher_server_flags(teacher)
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained) and report.json")
     report.add_argument("run_dir", help="run directory holding trajectories/ (and metrics.jsonl)")
     report.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html; the .json goes next to it)")
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(kwargs, dict):
                 raise ConfigError(f"--kwargs must be a JSON object, got {args.kwargs}")
             serve(args.recipe, kwargs, reward_server_options(args))
+            return 0
+        if args.command == "teacher-server":
+            from vlrft.models.teacher_server import serve_teacher
+
+            serve_teacher(teacher_server_options(args))
             return 0
         if args.command == "report":
             for path in write_report(args.run_dir, args.out, args.top_k):
@@ -101,6 +107,8 @@ def run_training(cfg) -> int:
         watch.fail(f"vlrft: error: {err}", f"rank {watch.rank} failed with {type(err).__name__} (its message is above)")
         return 2
     except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks
+        if watch.stop_on_lost_connection(err):  # a peer died: one line naming it, not gloo's traceback
+            return 1
         if isinstance(err, torch.OutOfMemoryError):
             err.add_note(out_of_memory_note(cfg))  # (printed under the traceback)
         if not watch.active:  # no other ranks: the exception goes on as it would (in-process callers see it)
@@ -133,6 +141,10 @@ def out_of_memory_note(cfg) -> str:
         levers.append("train.offload=optimizer")
     if cfg.rollout.engine == "vllm":
         levers.append(f"a smaller rollout.vllm_memory_fraction (now {cfg.rollout.vllm_memory_fraction})")
+    if cfg.teacher.path and (cfg.teacher.compute_dtype or cfg.model.compute_dtype) != "bfloat16":
+        levers.append("teacher.compute_dtype=bfloat16 (the teacher is held whole on every rank that trains)")
+    elif cfg.teacher.path:
+        levers.append("a smaller teacher.path (the teacher is held whole, in bf16, on every rank that trains)")
     return ("vlrft: this rank ran out of GPU memory (where: the traceback above). To fit, in this order: "
             + "; ".join(levers) + ". What fits which GPUs: docs/scaling.md, \"What fits\".")
 

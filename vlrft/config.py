@@ -57,6 +57,12 @@ class ModelConfig:
     # Recompute each decoder layer's activations in backward instead of keeping them (policy and
     # critic): activation memory of one layer instead of all, for ~30% more update compute.
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer and vision block in place (models/compiled_layers.py):
+    # auto (on with CUDA, except under ZeRO-3) | on | off.
+    compile: str = field(default="auto", metadata={"on_off": True})
+    # The LM head's logprobs and entropy (models/fused_head.py): liger (Liger-Kernel's fused linear
+    # head; CUDA, bf16) | chunked (1,024 tokens at a time; everywhere) | auto (liger where its kernel runs).
+    fused_head: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -102,6 +108,9 @@ class DataConfig:
 class RolloutConfig:
     engine: str = "hf"  # rollout engine: hf (HF generate, CPU default) | vllm (colocated vLLM)
     engine_tp_size: int = 1  # vllm: consecutive ranks per tensor-parallel engine; divides the world size
+    # hf: dynamic (growing KV cache, stopped responses leave the batch) | static (fixed shapes,
+    # StaticCache, the step compiled into CUDA graphs on CUDA) | auto (static on CUDA, else dynamic)
+    hf_decode: str = "auto"
     # vllm: fraction of accelerator memory (CPU backend: of RAM) the engine may take for weights
     # and KV cache; its name on the vLLM side is gpu_memory_utilization.
     vllm_memory_fraction: float = 0.5
@@ -147,6 +156,15 @@ class KLConfig:
 
 
 @dataclass
+class DistillConfig:
+    # On-policy distillation (teacher.path set): per token d = log pi_student - log pi_teacher of
+    # the sampled token. advantage: -coef * d added to each token's advantage; loss: coef * d^2 / 2
+    # added to each token's loss (algo/distill.py).
+    mode: str = "advantage"
+    coef: float = 1.0
+
+
+@dataclass
 class AlgoConfig:
     advantage: str = "grpo"  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     scale_by_std: bool = True  # grpo only; false = Dr.GRPO (r - group mean)
@@ -172,6 +190,7 @@ class AlgoConfig:
     rollout_correction_high: float = 2.0  # mis, icepop
     loss_agg_mode: str = "token-mean"
     kl: KLConfig = field(default_factory=KLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     # Reward transform before advantages: clip((r - reward_bias) * reward_scale, +-reward_clip).
     reward_bias: float = 0.0
     reward_scale: float = 1.0
@@ -183,6 +202,10 @@ class AlgoConfig:
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(H)
     # Keep only the top fraction of tokens by entropy in the policy-gradient term (0 = off).
     high_entropy_token_ratio: float = 0.0
+    # KL-Cov entropy control (algo/cov_control.py): the top fraction of tokens by the covariance
+    # of advantage and logprob get kl_cov_coef * |logp - old| in their loss (0 = off).
+    kl_cov_ratio: float = 0.0
+    kl_cov_coef: float = 1.0
     # Stop the remaining ppo_epochs of a step when the mean importance ratio (AReaL) or the
     # approximate KL 0.5*(logp - old)^2 (TRL) to the rollout policy exceeds these; 0 = off.
     early_stop_ratio: float = 0.0
@@ -303,6 +326,16 @@ class GuardsConfig:
     # weights, ...) for this long, the job is taken as hung: every rank stops, saying where each
     # was. Needs the watch of peer_timeout_s (several ranks).
     stall_timeout_s: float = 1800.0
+    # Collapse (trainer/run_health.py): rollout/accuracy fell by this share of its peak of the
+    # last collapse_window steps, with the entropy or length doubling/halving or another reward
+    # component falling as well: warn, or stop (on_collapse) with one line naming the cause.
+    collapse_drop: float = 0.3
+    collapse_window: int = 5
+    on_collapse: str = "warn"  # warn | stop
+    # Plateau: no new best rollout/accuracy (by more than plateau_tolerance) for this many steps
+    # below 0.95, named with or without a signal (groups whose rewards differ).
+    plateau_patience: int = 40
+    plateau_tolerance: float = 0.05
 
 
 @dataclass
@@ -325,6 +358,25 @@ class LoggingConfig:
 
 
 @dataclass
+class TeacherConfig:
+    # On-policy distillation's teacher (docs/distillation.md): an HF checkpoint directory or a hub
+    # id; "" = no teacher. It scores every token the policy samples, with the same prompt and images.
+    path: str = ""
+    compute_dtype: str = ""  # float32 | bfloat16; "" = model.compute_dtype (held in bf16 under bf16, as the reference)
+    # Or a `vlrft teacher-server` at this URL (http://host:port) scores them: no rank holds the
+    # teacher (docs/distillation.md, "Remote teacher"). One of path and url.
+    url: str = ""
+    token_file: str = ""  # the server's bearer token: the file's first line; "" = $VLRFT_TEACHER_TOKEN (or none)
+    timeout_s: float = 300.0  # one request to the server
+    retries: int = 2  # retries of a request that may pass (unreachable, timed out, 429/502/503/504)
+    deadline_s: float = 900.0  # all of one step's requests, retries included
+
+    def enabled(self) -> bool:
+        """Whether the run distils from a teacher (local or remote)."""
+        return bool(self.path or self.url)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,6 +392,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -354,8 +407,16 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise ConfigError(f"unknown config key '{key}'; valid keys here: {', '.join(names)}")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {k: _convert(hints[k], _on_off(fields[k], v), f"{where}.{k}" if where else k) for k, v in data.items()}
     return cls(**kwargs)
+
+
+def _on_off(spec: dataclasses.Field, value: Any) -> Any:
+    """YAML reads an unquoted on / off as a boolean: for keys spelled on | off, it is the word."""
+    if spec.metadata.get("on_off") and isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

@@ -9,6 +9,7 @@ import math
 from vlrft.config import (
     LR_SCHEDULES,
     AlgoConfig,
+    DistillConfig,
     OFFLOAD_CHOICES,
     ON_BAD_SAMPLE,
     WANDB_MODES,
@@ -16,6 +17,7 @@ from vlrft.config import (
     LoraConfig,
     ModelConfig,
     RewardConfig,
+    TeacherConfig,
     component_name,
     optimizer_steps_of_run,
     rollout_correction_mode,
@@ -26,8 +28,14 @@ from vlrft.errors import ConfigError
 def _validate_model(model: ModelConfig, zero_stage: int) -> None:
     from vlrft.models.attention import precision_config_problem
 
-    problem = precision_config_problem(model.attention, model.compute_dtype, zero_stage)
+    from vlrft.models.compiled_layers import compile_config_problem
+
+    problem = precision_config_problem(model.attention, model.compute_dtype, zero_stage) or compile_config_problem(model.compile, zero_stage)
     if problem:
+        raise ConfigError(problem)
+    from vlrft.models.fused_head import fused_head_problem
+
+    if problem := fused_head_problem(model.fused_head, model.compute_dtype):
         raise ConfigError(problem)
     lora, defaults = model.lora, LoraConfig()
     if lora.rank < 0:
@@ -105,6 +113,7 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
     from vlrft.algo import ADVANTAGES, POLICY_LOSSES
     from vlrft.engines import ENGINES
+    from vlrft.engines.static_decode import HF_DECODE_MODES
 
     if not cfg.model.path:
         raise ConfigError("config key 'model.path' is required (an HF checkpoint directory)")
@@ -119,6 +128,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")
     if cfg.rollout.engine != "vllm" and cfg.rollout.engine_tp_size != 1:
         raise ConfigError("config key 'rollout.engine_tp_size' applies to rollout.engine 'vllm' only")
+    if cfg.rollout.hf_decode not in HF_DECODE_MODES:
+        raise ConfigError(f"config key 'rollout.hf_decode' is '{cfg.rollout.hf_decode}'; valid: {', '.join(HF_DECODE_MODES)}")
     if cfg.logging.wandb not in WANDB_MODES:
         raise ConfigError(f"config key 'logging.wandb' is '{cfg.logging.wandb}'; valid: {', '.join(WANDB_MODES)}")
     # Checked here, before models load, rather than when rank 0 builds the sinks.
@@ -133,9 +144,13 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"config key 'checkpoint.keep_last' must be >= 1, got {cfg.checkpoint.keep_last}")
     for key in ("sync_max_logprob_gap", "step_reward_budget_s", "component_patience", "memory_window",
-                "peer_timeout_s", "stall_timeout_s"):
+                "peer_timeout_s", "stall_timeout_s", "collapse_drop", "plateau_patience", "plateau_tolerance"):
         if getattr(cfg.guards, key) < 0:
             raise ConfigError(f"config key 'guards.{key}' must be >= 0 (0 = off), got {getattr(cfg.guards, key)}")
+    if cfg.guards.collapse_window < 1:
+        raise ConfigError(f"config key 'guards.collapse_window' must be >= 1, got {cfg.guards.collapse_window}")
+    if cfg.guards.on_collapse not in ("warn", "stop"):
+        raise ConfigError(f"config key 'guards.on_collapse' is '{cfg.guards.on_collapse}'; valid: warn, stop")
     if cfg.trajectory.save_every < 0:
         raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
     if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
@@ -194,16 +209,57 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.on_bad_sample' is '{cfg.data.on_bad_sample}'; valid: {', '.join(ON_BAD_SAMPLE)}")
     if "" in cfg.data.media_roots:  # "" would resolve to the working directory, allowing all of it
         raise ConfigError("config key 'data.media_roots' has an empty entry; each names a directory")
-    _validate_rewards(cfg.reward, cfg.sandbox.unsafe_no_isolation)
+    _validate_rewards(cfg.reward, cfg.sandbox.unsafe_no_isolation, cfg.teacher.enabled())
+    _validate_distillation(cfg)
 
 
-def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool) -> None:
+def _validate_distillation(cfg: Config) -> None:
+    from vlrft.algo.distill import DISTILL_MODES
+
+    distill, teacher = cfg.algo.distill, cfg.teacher
+    if not teacher.enabled():
+        if distill != DistillConfig() or teacher != TeacherConfig():
+            raise ConfigError("config keys 'algo.distill.*' and 'teacher.*' apply to on-policy distillation: "
+                              "set teacher.path or teacher.url")
+        return
+    if distill.mode not in DISTILL_MODES:
+        raise ConfigError(f"config key 'algo.distill.mode' is '{distill.mode}'; valid: {', '.join(DISTILL_MODES)}")
+    if not distill.coef > 0:
+        raise ConfigError(f"config key 'algo.distill.coef' must be > 0, got {distill.coef}")
+    if teacher.compute_dtype not in ("", "float32", "bfloat16"):
+        raise ConfigError(f"config key 'teacher.compute_dtype' is '{teacher.compute_dtype}'; valid: float32, bfloat16 "
+                          "(empty: model.compute_dtype)")
+    _validate_remote_teacher(teacher)
+
+
+def _validate_remote_teacher(teacher: TeacherConfig) -> None:
+    """teacher.url: an http(s) URL instead of teacher.path; its client's keys only with it."""
+    remote_keys = ("token_file", "timeout_s", "retries", "deadline_s")
+    if not teacher.url:
+        changed = next((k for k in remote_keys if getattr(teacher, k) != getattr(TeacherConfig(), k)), None)
+        if changed:
+            raise ConfigError(f"config key 'teacher.{changed}' applies to a remote teacher: set teacher.url")
+        return
+    if teacher.path:
+        raise ConfigError("config keys 'teacher.path' and 'teacher.url' are both set: give one (a local or a remote teacher)")
+    if teacher.compute_dtype:
+        raise ConfigError("config key 'teacher.compute_dtype' applies to a local teacher (teacher.path); "
+                          "a remote teacher's is its server's --compute-dtype")
+    scheme, _, rest = teacher.url.partition("://")
+    if scheme not in ("http", "https") or not rest.strip("/"):
+        raise ConfigError(f"config key 'teacher.url' must be an http:// or https:// URL, got {teacher.url!r:.80}")
+    if not (teacher.timeout_s > 0 and teacher.deadline_s > 0 and teacher.retries >= 0):
+        raise ConfigError("config keys 'teacher.timeout_s' and 'teacher.deadline_s' must be > 0, "
+                          "'teacher.retries' >= 0")
+
+
+def _validate_rewards(reward: RewardConfig, unsafe_no_isolation: bool, teacher: bool = False) -> None:
     from vlrft.rewards.loading import resolve_recipe  # imports the recipes: unknown names fail here
     from vlrft.isolation.sandbox import check_can_run_code, runs_code
 
     for source, mix in {"default": reward.default, **reward.by_data_source}.items():
-        if not mix:
-            raise ConfigError(f"reward mix '{source}' is empty; give at least one recipe")
+        if not mix and not (teacher and source == "default"):  # a teacher alone: pure distillation
+            raise ConfigError(f"reward mix '{source}' is empty; give at least one recipe (or a teacher: teacher.path or teacher.url)")
         names = set()
         for spec in mix:
             if not spec.recipe:
@@ -273,6 +329,8 @@ def _validate_algo(cfg: Config) -> None:
          f"rollout.n_samples_per_prompt ({rollout.n_samples_per_prompt})")
     need(0 <= algo.high_entropy_token_ratio <= 1,
          f"config key 'algo.high_entropy_token_ratio' must be in [0, 1], got {algo.high_entropy_token_ratio}")
+    need(0 <= algo.kl_cov_ratio <= 1, f"config key 'algo.kl_cov_ratio' must be in [0, 1], got {algo.kl_cov_ratio}")
+    need(algo.kl_cov_coef > 0, f"config key 'algo.kl_cov_coef' must be > 0, got {algo.kl_cov_coef}")
     for key in ("reward_clip", "zero_reward_patience", "advantage_clip", "early_stop_ratio", "target_kl",
                 "ptx_coef", "moe_aux_coef"):
         need(getattr(algo, key) >= 0, f"config key 'algo.{key}' must be >= 0, got {getattr(algo, key)}")

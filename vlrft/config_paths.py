@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-FILE_KEYS = ("data.train_path", "data.eval_path", "data.ptx_path", "output.dir")
+FILE_KEYS = ("data.train_path", "data.eval_path", "data.ptx_path", "output.dir", "teacher.token_file")
 # Also a hub model id (`owner/name`) when that names nothing relative to where it was written.
-MODEL_KEYS = ("model.path", "model.ref_path", "critic.path")
+MODEL_KEYS = ("model.path", "model.ref_path", "critic.path", "teacher.path")
 MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 MODEL_RECIPES = ("reward_model", "generative_judge")  # built-in recipes whose `path` kwarg is a checkpoint
 

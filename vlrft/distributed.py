@@ -36,6 +36,11 @@ class LaunchError(VlrftError, RuntimeError):
     """The processes were started in a way that cannot form one run; one-line message."""
 
 
+def lost_store(err: BaseException) -> bool:
+    """Whether `err` is the job's key-value store gone (its host rank died): DistNetworkError."""
+    return isinstance(err, dist.DistNetworkError)
+
+
 def free_port() -> int:
     """A TCP port free on every interface of this host now."""
     with socket.socket() as s:

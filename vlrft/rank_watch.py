@@ -21,6 +21,12 @@ the job hung. Waits are not stalls on their own: a rank may wait a long time on 
 working (the trainers on a rollout rank's evaluation), and the working one moves the count. The
 rank that finds a death or a stall prints where every rank was, one line per phase, and each
 rank that stops names the line its main thread is at.
+
+A peer's death can also show first on this rank: gloo raises at once in a collective with a
+killed peer, and under torchrun every rank gets SIGTERM when one dies. Neither says which peer,
+so the rank then doubts its peers (`doubt_peers`): a peer whose heartbeat has stood still for
+GONE_AFTER_S, instead of the timeout, is dead, and the rank stops with one line naming it and
+its role (an asynchronous run's trainer or rollout rank), not with gloo's traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 import traceback
 
 from vlrft import progress
+from vlrft.lost_connection import lost_connection
 
 TICK_S = 1.0
 # How long a failing rank waits for its peers to read its record before it exits: when it hosts
@@ -47,6 +54,28 @@ STOPPED_EXIT_CODE = 1
 # silent heartbeat means it is gone instead.
 LINGER_LIMIT_S = 600.0
 GONE_AFTER_S = 5.0
+
+# Each rank's role where the ranks have roles (an asynchronous run's trainers and rollout
+# ranks: trainer/weights_delivery.py), for the lines that name a rank.
+ROLES: dict[int, str] = {}
+# Set once this rank has seen a sign that a peer may be dead (a lost connection; a stop signal
+# while it waits for a peer): from then on a peer, or the store, silent for GONE_AFTER_S is gone.
+_DOUBT = threading.Event()
+
+
+def name_roles(roles: dict[int, str]) -> None:
+    ROLES.clear()
+    ROLES.update(roles)
+
+
+def rank_name(rank: int) -> str:
+    """"rank 3 (rollout)" where the ranks have roles, else "rank 3"."""
+    return f"rank {rank} ({ROLES[rank]})" if rank in ROLES else f"rank {rank}"
+
+
+def doubt_peers() -> None:
+    """A sign that a peer may be dead: the watch now takes a peer silent for GONE_AFTER_S as dead."""
+    _DOUBT.set()
 
 
 def next_watched(rank: int, world: int, finished: set[int]) -> int | None:
@@ -87,6 +116,7 @@ class RankWatch:
         self.finished: set[int] = set()  # ranks that stopped their watch cleanly
         self.last_answer: float | None = None  # when the store last answered
         self.store_lost = False
+        self.connection_lost = False  # the main thread's own call lost its connection to a peer
         self._stop = threading.Event()
         self._lock = threading.Lock()  # held by whichever of `_end` and `fail`/`stop` comes first
         self._thread = threading.Thread(target=self._run, name="vlrft-rank-watch", daemon=True)
@@ -116,8 +146,9 @@ class RankWatch:
                 # trace), so stop calling and give the store the same time a silent peer gets.
                 self.store_lost = True
         silent = now - self.last_answer
-        if silent >= self.timeout_s:
-            return f"the rendezvous store has not answered for {silent:.0f} s (its host, rank 0 or torchrun, gone?)", False
+        if silent >= (min(GONE_AFTER_S, self.timeout_s) if _DOUBT.is_set() else self.timeout_s):
+            return (f"the rendezvous store has not answered for {silent:.0f} s (its host, {rank_name(0)} or torchrun, "
+                    f"gone?)"), False
         return None, False
 
     def _read(self, now: float) -> tuple[str | None, bool]:
@@ -142,13 +173,28 @@ class RankWatch:
             return reason, False
         silent = self.silence.heard(peer, count, now) if peer is not None else 0.0
         if silent >= self.timeout_s:
-            return f"rank {peer} has not been heard from for {silent:.0f} s (killed?)", True
+            return f"{rank_name(peer)} has not been heard from for {silent:.0f} s (killed?)", True
+        if _DOUBT.is_set() and (gone := self._gone_peer(now)) is not None:
+            # Recorded for every rank to stop on where this rank failed on it. On torchrun's signal
+            # alone, torchrun stops the others: trainers may be saving the checkpoint of their stop.
+            return gone, self.connection_lost
         quiet = self.job_quiet.heard(-1, moves, now)
         if self.stall_timeout_s and phase.guarded and quiet >= self.stall_timeout_s:
             self.stalled = True
             return (f"no rank has moved to a new phase for {quiet:.0f} s (guards.stall_timeout_s: "
                     f"{self.stall_timeout_s:g}): the job is hung"), True
         return None, False
+
+    def _gone_peer(self, now: float) -> str | None:
+        """In doubt: the first peer that has neither finished nor been heard from for GONE_AFTER_S."""
+        for peer in set(range(self.world)) - {self.rank} - self.finished:
+            if self.store.add(self._key(f"finished/{peer}"), 0) > 0:
+                self.finished.add(peer)
+                continue
+            silent = self.silence.heard(peer, self.store.add(self._key(f"heartbeat/{peer}"), 0), now)
+            if silent >= min(GONE_AFTER_S, self.timeout_s):
+                return f"{rank_name(peer)} died or stopped answering (not heard from for {silent:.0f} s)"
+        return None
 
     def where_report(self) -> str:
         """Where every rank was, as each last published it: one line per phase, the oldest first."""
@@ -187,10 +233,13 @@ class RankWatch:
             # Every rank sees the job-wide count stand still at about the same tick (and two may find
             # deaths at once): the first to claim the report writes it, the others stop as readers.
             claimed = found_here and self._claim_report()
-            print(f"vlrft: rank {self.rank} stops: {reason} [its main thread is at {main_thread_at()}]",
-                  file=sys.stderr, flush=True)
+            # A death found in doubt is the whole story: where this rank's main thread waits
+            # (for the dead peer) adds nothing.
+            at = "" if _DOUBT.is_set() else f" [its main thread is at {main_thread_at()}]"
+            print(f"vlrft: {rank_name(self.rank)} stops: {reason}{at}", file=sys.stderr, flush=True)
             if claimed:
-                print(self.where_report(), file=sys.stderr, flush=True)
+                if not _DOUBT.is_set():
+                    print(self.where_report(), file=sys.stderr, flush=True)
                 # Every rank is alive in a stall and reads the record; a dead rank never does.
                 self._record(reason, expected=self.world if self.stalled else self.world - 1)
             elif not self.store_lost:
@@ -256,6 +305,26 @@ class RankWatch:
         if self.active:
             self._record(reason, expected=self.world)
 
+    def stop_on_lost_connection(self, err: BaseException) -> bool:
+        """The main thread caught `err`. If it is a lost connection (a peer or the store gone),
+        stop with one line naming the dead peer, which the watch thread finds and stops on (it
+        ends the process), and True; else False, and nothing done."""
+        lost = lost_connection(err)
+        if lost is None or self.world == 1:
+            return False
+        if self.active:
+            self.connection_lost = True
+            doubt_peers()
+            # The watch thread ends the process once it finds the dead peer: a tick to first
+            # see each peer, GONE_AFTER_S of silence, a tick before it stops, and some slack.
+            self._thread.join(min(GONE_AFTER_S, self.timeout_s) + 6 * TICK_S)
+            why = "no peer has gone silent"
+        else:
+            why = "which peer is not known: guards.peer_timeout_s is 0"
+        self.fail(f"vlrft: {rank_name(self.rank)} stops: it lost a connection ({lost}); {why}",
+                  f"{rank_name(self.rank)} lost a connection ({lost})")
+        return True
+
     def stop(self) -> None:
         """A clean finish (or a stop on a signal): the watch never fires after this, and the rank
         watching this one moves on to the next instead of waiting for a heartbeat."""
@@ -286,10 +355,15 @@ class RankWatch:
             return
         silence, start = Silence(), time.monotonic()
         try:
-            while self.running_peers(silence, time.monotonic()) and time.monotonic() - start < limit_s:
+            while (running := self.running_peers(silence, time.monotonic())) and time.monotonic() - start < limit_s:
                 time.sleep(TICK_S / 4)
+            gone = [p for p in set(range(self.world)) - {self.rank} - running
+                    if self.store.add(self._key(f"finished/{p}"), 0) == 0]
         except Exception:  # noqa: BLE001 - the store is gone: so is whoever hosted it
-            pass
+            return
+        for peer in sorted(gone):  # silent without having stopped: killed (torchrun's signal to the others may say so)
+            print(f"vlrft: {rank_name(self.rank)} stops: {rank_name(peer)} died or stopped answering (it went silent "
+                  f"without stopping)", file=sys.stderr, flush=True)
 
 
 def main_thread_at() -> str:

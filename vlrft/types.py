@@ -91,6 +91,7 @@ class Experience:
     dense_reward: list[float] | None = None  # [R] weighted per-token recipe rewards
     old_logprobs: torch.Tensor | None = None  # [R] rollout-time policy logprob of each response token
     ref_logprobs: torch.Tensor | None = None  # [R] reference logprobs (None when KL is off)
+    teacher_logprobs: torch.Tensor | None = None  # [R] on-policy distillation's teacher's logprobs (None: no teacher)
     advantages: torch.Tensor | None = None  # [R]
     values: torch.Tensor | None = None  # [R] rollout-time critic outputs (normalised space if value_norm)
     returns: torch.Tensor | None = None  # [R] critic targets (same space as values)

@@ -8,6 +8,8 @@
 #   bash tests/gpu/run_all.sh bench:1.5B            # bench/gpu_step.py --shapes 1.5B
 #   bash tests/gpu/run_all.sh bench:1.5B:3          # ... --zero 3 only (each update setting: ~2 minutes)
 #   bash tests/gpu/run_all.sh bench                 # every shape, ZeRO stage and checkpointing
+#   BENCH_ARGS="--checkpointing on --budget 32768 --compile off on --fused-head chunked liger" \
+#       bash tests/gpu/run_all.sh bench:1.5B:2      # more bench/gpu_step.py flags for the bench parts
 #   bash tests/gpu/run_all.sh shared:36             # bench/shared_prefix.py, bf16, 3B widths at LAYERS layers
 #
 # Parts joined by '+' run at the same time, each into its own log only (a line each says how it
@@ -48,7 +50,8 @@ if [ "${1:-}" = --one ]; then  # one part's command (run_all runs each part this
                 "train.seed=$seed" "output.dir=$PWD/runs/gpu-demo-$name" || exit
             cp "runs/gpu-demo-$name/metrics.jsonl" "$3/metrics-$name.jsonl" ;;
         bench)
-            exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ${b:+--zero "$b"} ;;
+            # shellcheck disable=SC2086  # BENCH_ARGS: more flags, split on spaces
+            exec python3 bench/gpu_step.py ${a:+--shapes "$a"} ${b:+--zero "$b"} ${BENCH_ARGS:-} ;;
         shared)  # shared-prompt micro-batches against unshared, the demo's and a Geo3K-like shape
             exec python3 bench/shared_prefix.py --device cuda --compute-dtype bfloat16 --layers "${a:-36}" --threads "$(nproc)" ;;
     esac
@@ -85,6 +88,9 @@ wheels=${WHEELS:-.whl}
 if [ -d "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl
     export PYTHONPATH=/tmp/site:$PYTHONPATH
+    # The CUTLASS DSL (CUTEDSL wheels) puts its packages on the path by a .pth file, which a
+    # --target folder's modules on PYTHONPATH never run.
+    [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if ! command -v python >/dev/null; then  # images that only name python3 (the launcher calls python)
@@ -109,6 +115,8 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "dee
       "peft", peft.__version__, "GPU", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 print("torch_varlen:", attention_missing("torch_varlen") or "ready", "| flash_attention_2:",
       attention_missing("flash_attention_2") or "ready")
+from vlrft.models.fused_head import liger_missing
+print("fused head (liger, bf16):", liger_missing("bfloat16") or "ready")
 PY
 preflight=$?
 cat "$log_dir/versions.log"

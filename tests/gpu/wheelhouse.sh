@@ -4,10 +4,12 @@
 # versions installed here (the ones CI tests), built or downloaded on a machine with an index.
 #
 #   bash tests/gpu/wheelhouse.sh [DIR] [PYTHON_VERSION]      # default: .whl 3.12
+#   CUTEDSL=cu13 bash tests/gpu/wheelhouse.sh                 # with Liger's Hopper kernel (~110 MB more)
 #
 # On the GPU machine (tests/gpu/run_all.sh does this when it finds DIR):
 #   pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
+#   (with CUTEDSL wheels also /tmp/site/nvidia_cutlass_dsl/dsl_packages, which their .pth adds)
 # Packages come without their own dependencies (`--no-deps`): the list names each one the
 # image lacks. DeepSpeed publishes only a source archive; it is built here into a pure-Python
 # wheel (no prebuilt ops: it picks CUDA at run time).
@@ -32,6 +34,18 @@ for name in "${packages[@]}"; do
         pinned+=("$name==$version")
     fi
 done
+# liger-kernel, the fused LM head (model.fused_head): pure Python on Triton, which PyTorch's CUDA
+# builds bring. A GPU-only package, so not installed here: pinned to the release whose source
+# vlrft's call was written against. Its Hopper kernel also needs NVIDIA's CUTLASS DSL, about 110 MB of wheels:
+# CUTEDSL=cu12 or CUTEDSL=cu13 (the node's CUDA major version) adds them.
+pinned+=(liger-kernel==0.8.5)
+case ${CUTEDSL:-} in
+    "") ;;
+    cu12|cu13) pinned+=(nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1
+                        "nvidia-cutlass-dsl-libs-$CUTEDSL==4.8.1" "cuda-bindings==${CUTEDSL#cu}.*" cuda-pathfinder
+                        apache-tvm-ffi protobuf) ;;
+    *) echo "wheelhouse: CUTEDSL is cu12 or cu13, not '$CUTEDSL'" >&2; exit 2 ;;
+esac
 platforms=()
 for n in 17 27 28 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 python -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \

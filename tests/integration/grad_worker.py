@@ -8,10 +8,12 @@ out with trainer/rank_balance (which must move samples and lower the imbalance).
 LORA_RANK > 0 trains LoRA adapters (random, seeded B, so every adapter has a gradient) and
 records their gradient only. PROMPTS "shared": each pair of experiences answers one prompt and
 the micro-batches carry it once (train.share_prompts); "shared-off": the same pairs, unshared;
-"distinct" (default): 8 prompts, unshared.
+"distinct" (default): 8 prompts, unshared. CHUNK_TOKENS in the environment: the LM head's chunk
+(models/chunked.py) made that small, so ranks make different numbers of head calls.
 Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE [LORA_RANK [PROMPTS]]]]
 """
 
+import os
 import sys
 
 import torch
@@ -37,6 +39,11 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.types import Experience, Rollout
 
     rank, world_size = init_distributed()
+    if os.environ.get("CHUNK_TOKENS"):
+        import vlrft.models.forward as forward
+
+        moe_aux, keep_logits, _ = forward.policy_forward.__defaults__
+        forward.policy_forward.__defaults__ = (moe_aux, keep_logits, int(os.environ["CHUNK_TOKENS"]))
     encoder = PromptEncoder(model_dir, 3136, 12544, 1024)
     rows = load_rows(train_path)
     g = torch.Generator().manual_seed(0)

@@ -27,12 +27,10 @@ BROKEN = (
 PLUGIN = "def brevity(completions, samples):\n    return [1.0 - s['response_length'] / 8 for s in samples]\n"
 
 
-def test_user_file_and_entry_point_recipes_train_the_colour_task(colour_data, tmp_path):
-    from data_tools.make_tiny_model import build_vl_model
-
-    # Format-warmed-up, like the demo's model: it answers <answer>colour</answer> with a
+def test_user_file_and_entry_point_recipes_train_the_colour_task(warm_vl, colour_data, tmp_path):
+    # Format-warmed-up (the session's warmed model): it answers <answer>colour</answer> with a
     # varying colour and length, so both recipes' rewards vary within a group.
-    tiny_vl = str(build_vl_model(tmp_path / "model", warmup_steps=100))
+    tiny_vl = warm_vl
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     recipe_file = write_example(outside)

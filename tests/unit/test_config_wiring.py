@@ -80,6 +80,7 @@ CHANGES = {
     "algo.reward_clip": "algo.reward_clip=0.05",
     "algo.zero_reward_truncated": "algo.zero_reward_truncated=true",
     "algo.high_entropy_token_ratio": "algo.high_entropy_token_ratio=0.2",
+    "algo.kl_cov_ratio": "algo.kl_cov_ratio=0.5",
     "algo.kl.coef": "algo.kl.coef=0",
     "algo.kl.estimator": "algo.kl.estimator=k2",
     "model.compute_dtype": "model.compute_dtype=bfloat16",
@@ -333,3 +334,31 @@ def test_frozen_actor_trains_only_the_critic(setup):
     assert not torch.equal(torch.cat([p.detach().flatten() for p in trainer.critic.module.parameters()]), critic)
     trainer.train_step()  # step 2: the actor moves
     assert not torch.equal(torch.cat([p.detach().flatten() for p in trainer.backend.module.parameters()]), actor)
+
+
+def test_compiled_layers_give_the_eager_update(setup, baseline):
+    from vlrft.models.compiled_layers import compiled_frames
+
+    torch._dynamo.reset()  # nothing compiled by earlier tests is reused: this run compiles its own
+    compiled, _ = update_after_one_step(setup[1] + ["model.compile=on"])
+    assert compiled_frames() > 0
+    torch.testing.assert_close(compiled, baseline, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["advantage", "loss"])
+def test_a_teacher_changes_the_update(mode, setup, baseline):
+    changed, _ = update_after_one_step(setup[1] + [f"teacher.path={setup[2]}", f"algo.distill.mode={mode}"])
+    assert not torch.allclose(changed, baseline, rtol=1e-3, atol=1e-7), mode
+
+
+def test_pure_distillation_trains_without_a_reward_recipe(setup):
+    # The student's own checkpoint as its teacher: d = 0 at every token, nothing to learn; another
+    # model as the teacher: an update, with every reward 0.
+    from vlrft.trainer.spmd_trainer import SPMDTrainer
+
+    pure = setup[1] + ["reward.default=[]", "algo.kl.coef=0"]
+    itself, _ = update_after_one_step(pure + [f"teacher.path={setup[1][0].split('=', 1)[1]}"])
+    assert itself.abs().max() == 0
+    trainer = SPMDTrainer(load_config(None, pure + [f"teacher.path={setup[2]}"]))
+    metrics = trainer.train_step()
+    assert metrics["rollout/reward_mean"] == 0 and metrics["distill/reverse_kl"] != 0 and metrics["train/grad_norm"] > 0

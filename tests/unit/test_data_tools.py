@@ -1,6 +1,7 @@
 """Fast checks for data_tools: synthetic datasets and tiny offline checkpoints (no warm-up)."""
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -120,6 +121,65 @@ def test_supervised_probe_runs_and_reports_a_curve(tmp_path, tiny_vl):
     ss.write_left_right_task(tmp_path, n_train=16, n_test=8, seed=0)
     curve = probe(tiny_vl, str(tmp_path), steps=2, batch_size=4, lr=1e-3, eval_every=1)
     assert [s for s, _ in curve] == [0, 1, 2] and all(0.0 <= a <= 1.0 for _, a in curve)
+
+
+def _probe_and_save(model, data, out) -> list:
+    from data_tools.supervised_probe import probe
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the command line runs it: the same weights every run
+    try:
+        torch.manual_seed(0)
+        return probe(model, str(data), steps=2, batch_size=4, lr=1e-3, eval_every=2, save=str(out))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_supervised_probe_saves_a_teacher_the_student_can_use(tmp_path, tiny_vl):
+    """--save: an HF checkpoint (weights, tokenizer, image processor) that loads with
+    from_pretrained, passes the distillation teacher's checks against its student, holds the
+    trained weights, and is the same file every run."""
+    from vlrft.models.loader import load_model
+    from vlrft.models.teacher import teacher_problem
+
+    ss.write_colour_task(tmp_path / "data", n_train=16, n_test=8, seed=0)
+    first, again = tmp_path / "teachers" / "first", tmp_path / "teachers" / "again"
+    _probe_and_save(tiny_vl, tmp_path / "data", first)
+    _probe_and_save(tiny_vl, tmp_path / "data", again)
+    assert sorted(p.name for p in first.parent.iterdir()) == ["again", "first"]  # no partial copy left
+    names = {p.name for p in first.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= names
+    assert teacher_problem(tiny_vl, str(first)) == ""
+    student, teacher = load_model(tiny_vl), load_model(str(first))
+    assert any(not torch.equal(a, b) for a, b in zip(student.parameters(), teacher.parameters()))  # trained
+    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+def test_supervised_probe_never_saves_over_a_directory(tmp_path, tiny_vl):
+    """An existing --save path is refused before any training, one line, and left as it was."""
+    from data_tools.supervised_probe import main
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    refusal = f"supervised_probe: --save {taken} exists; remove it or name another directory"
+    with pytest.raises(SystemExit, match=f"^{re.escape(refusal)}$"):
+        main(["--model", tiny_vl, "--data", str(tmp_path / "no-data-needed"), "--save", str(taken)])
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"] and (taken / "notes.txt").read_text() == "mine"
+
+
+def test_supervised_probe_scores_the_tasks_own_answers(tmp_path, tiny_text):
+    """The answers the probe ranks are the task's (the sums for addition), each one token."""
+    from data_tools.supervised_probe import answer_choices, probe
+
+    ss.write_addition_task(tmp_path, n_train=18, n_test=9, seed=0)
+    tokenizer = PromptEncoder(tiny_text, 56 * 56, 112 * 112, 512).tokenizer
+    answers = [r["answer"] for r in _rows(tmp_path / "train.jsonl")]
+    assert answer_choices(tokenizer, answers) == tuple(str(a) for a in ss.ADDITION_ANSWERS)
+    with pytest.raises(SystemExit, match="answer '12' is not a single token"):  # "1", "2"
+        answer_choices(tokenizer, ["3", "12"])
+    curve = probe(tiny_text, str(tmp_path), steps=1, batch_size=4, lr=1e-3, eval_every=1)
+    assert [s for s, _ in curve] == [0, 1]
 
 
 def test_colour_task_is_reproducible(tmp_path):

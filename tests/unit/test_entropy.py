@@ -25,3 +25,15 @@ def test_threshold_takes_ceil_of_ratio_and_keeps_ties():
 
 def test_threshold_of_no_tokens_masks_everything_out():
     assert high_entropy_mask(torch.tensor([0.2]), entropy_threshold(torch.tensor([]), 0.5)).tolist() == [0.0]
+
+
+def test_token_entropy_gradient_is_the_entropys_at_every_logit():
+    """The entropy bonus (algo.entropy_coef) trains through this gradient; the max logit's entry
+    once missed a term (its exp(0) = 1 was held constant)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(4, 50, generator=g, dtype=torch.float64)).requires_grad_()
+    (got,) = torch.autograd.grad(token_entropy(logits).sum(), logits)
+    exact = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    (want,) = torch.autograd.grad(exact.sum(), logits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.sum(-1), torch.zeros(4, dtype=torch.float64), atol=1e-5, rtol=0)  # a shift changes nothing

@@ -44,13 +44,15 @@ def test_a_mistyped_command_stops_before_anything_runs(parts, env, message, tmp_
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the GPU tests run themselves, at full length")
 def test_parts_run_together_a_failure_stops_nothing_and_every_log_is_archived(tmp_path):
-    # On CPU the benchmarks, asked for the GPU, fail at once: a failed part among the others.
-    done = run_all("tests+bench:tiny:2", "shared:2", tmp_path=tmp_path)
+    # On CPU the benchmarks fail at once: a failed part among the others. The bench is handed
+    # BENCH_ARGS, here a flag value it refuses (exit status 2, argparse's).
+    done = run_all("tests+bench:tiny:2", "shared:2", tmp_path=tmp_path, BENCH_ARGS="--compile sometimes")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("run_all: ")]
     verdicts = {line.split()[1]: line for line in lines[:3]}
     assert verdicts["tests"].startswith("run_all: tests passed after ") and "skipped in" in verdicts["tests"]
-    assert "FAILED (exit status 1)" in verdicts["bench:tiny:2"] and "FAILED (exit status 1)" in verdicts["shared:2"]
+    assert "FAILED (exit status 2)" in verdicts["bench:tiny:2"] and "FAILED (exit status 1)" in verdicts["shared:2"]
+    assert "argument --compile: invalid choice: 'sometimes'" in (tmp_path / "logs" / "bench-tiny-2.log").read_text()
     log = (tmp_path / "logs" / "tests.log").read_text()
     assert "test_colour_demo_trains_on_one_gpu_with_nccl" in log and "no CUDA GPU is visible" in log
     assert archived(tmp_path) == {"versions.log", "tests.log", "bench-tiny-2.log", "shared-2.log"}

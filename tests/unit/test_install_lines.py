@@ -67,7 +67,7 @@ def test_the_install_lines_and_pins_agree():
      "pyproject.toml extra vllm-cpu: 2.14.0"),
     (".ci/run", "torch==2.13.0", "torch==2.12.0", ".ci/run: 2.12.0"),
     ("docs/install.md", CPU_INDEX, "", "lacks the CPU build's index"),
-    ("pyproject.toml", 'gpu = ["qwen-vl-utils"]', 'gpu = ["flash-attn", "qwen-vl-utils"]', "flash-attn is in the gpu extra"),
+    ("pyproject.toml", 'gpu = ["qwen-vl-utils"', 'gpu = ["flash-attn", "qwen-vl-utils"', "flash-attn is in the gpu extra"),
     ("pyproject.toml", 'requires-python = ">=3.11"', 'requires-python = ">=3.12"', "Python 3.12 or newer"),
 ])
 def test_a_broken_pin_or_line_is_named(where, old, new, named):

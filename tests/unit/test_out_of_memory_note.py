@@ -38,6 +38,13 @@ def test_the_levers_already_pulled_are_left_out_and_vllm_s_share_is_named(tiny_t
     assert "gradient_checkpointing" not in note and "zero_stage" not in note and "offload" not in note
 
 
+def test_a_teacher_is_named_among_the_levers(tiny_text, addition_data):
+    fp32 = out_of_memory_note(config(tiny_text, addition_data, f"teacher.path={tiny_text}"))
+    assert "; teacher.compute_dtype=bfloat16 (the teacher is held whole on every rank that trains)." in fp32
+    bf16 = out_of_memory_note(config(tiny_text, addition_data, f"teacher.path={tiny_text}", "teacher.compute_dtype=bfloat16"))
+    assert "; a smaller teacher.path (the teacher is held whole, in bf16, on every rank that trains)." in bf16
+
+
 def test_other_errors_carry_no_note(world_of_one, tiny_text, addition_data, monkeypatch):
     import vlrft.trainer.spmd_trainer as trainer_module
 

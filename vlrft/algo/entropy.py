@@ -13,12 +13,15 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     Computed on z' = z - max(z) (H does not change under a shift), with logsumexp(z') =
     log1p(sum of exp(z') over all but one maximal entry): for a confident token both terms are
     then small numbers known to full relative precision, instead of two large ones whose
-    difference is the tiny entropy (or a log(1 + tiny) rounded in fp32)."""
+    difference is the tiny entropy (or a log(1 + tiny) rounded in fp32). The max's own term is
+    exactly 1 in value but not a constant: `at_max - 1` (0) keeps its gradient in the sum, which
+    the shift's detached max would otherwise leave out of the max logit's gradient."""
     logits = logits.float()
     top = logits.max(dim=-1, keepdim=True)
     shifted = logits - top.values.detach()  # [..., V] <= 0, 0 at the max
     exps = torch.exp(shifted)
-    rest = exps.scatter(-1, top.indices, 0.0).sum(-1)  # [...] every term but one max (which is 1)
+    at_max = exps.gather(-1, top.indices).squeeze(-1)  # [...] exp(0) = 1
+    rest = exps.scatter(-1, top.indices, 0.0).sum(-1) + (at_max - 1.0)  # [...] sum of all terms, less 1
     return torch.log1p(rest) - (exps * shifted).sum(-1) / (1.0 + rest)
 
 

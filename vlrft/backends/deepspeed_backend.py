@@ -324,6 +324,13 @@ class DeepSpeedBackend:
         barrier()
 
 
+def gathered_for_reading(params: list[torch.nn.Parameter]):
+    """A context in which ZeRO-3 partitioned `params` are whole on every rank (a collective: every
+    rank enters it), for code that reads them without calling their module (the fused LM head,
+    models/fused_head.py); changes made inside are not kept. Outside ZeRO-3 it does nothing."""
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 def uses_bf16_weights(compute_dtype: str, zero_stage: int) -> bool:
     """Whether vlrft runs a trained model (policy, critic) in DeepSpeed's bf16 mode: bf16 compute
     under ZeRO-3 (models/attention.py says why); ZeRO 0-2 keep fp32 weights under autocast."""

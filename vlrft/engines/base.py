@@ -74,7 +74,8 @@ def make_rollout(prompt: Prompt, new_ids: list[int], tokenizer, stop_ids: list[i
 def _make_hf_engine(cfg, tokenizer, stop_ids: list[int], banned_ids: list[int]) -> RolloutEngine:
     from vlrft.engines.hf_engine import HFEngine
 
-    return HFEngine(cfg.model.path, tokenizer, stop_ids, banned_ids, compute_dtype=cfg.model.compute_dtype)
+    return HFEngine(cfg.model.path, tokenizer, stop_ids, banned_ids, compute_dtype=cfg.model.compute_dtype,
+                    decode=cfg.rollout.hf_decode)
 
 
 @ENGINES.register("vllm")

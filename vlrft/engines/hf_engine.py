@@ -4,6 +4,8 @@ It decodes with the HF model and its KV cache like `generate`, with one differen
 RL batches: a response that has stopped leaves the batch (its rows of the cache are dropped),
 so the remaining steps compute only the responses still running. `generate` keeps computing
 every row until the longest response ends, which on length-skewed batches is most of the work.
+That is the `dynamic` decode; `static` (static_decode.py, the CUDA default) keeps every shape
+fixed so the step can be compiled and replayed as a CUDA graph. Both sample alike (`_sample`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import TopPLogitsWarper
 from vlrft import progress
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
+from vlrft.engines.static_decode import StaticDecoder, cuda_graphs, resolve_decode
 from vlrft.models.collate import concat_mm_inputs, gather_responses, mm_token_type_ids
 from vlrft.models.forward import policy_forward
 from vlrft.models.packing import pack, prompt_positions
@@ -42,6 +45,7 @@ class HFEngine:
         banned_ids: list[int],
         max_batch: int = 64,
         compute_dtype: str = "float32",
+        decode: str = "auto",
     ):
         # A separate copy on this rank's device: the trainer's (possibly ZeRO-3-sharded) module
         # never serves generation. It holds and decodes in the trainer's compute dtype (an
@@ -61,6 +65,11 @@ class HFEngine:
         self.new_weights: Callable[[], bool] | None = None
         self.loads = 0  # update_weights calls that changed a tensor (a frozen actor's version changes none)
         self.cache_name = kv_cache_name(self.model)
+        # rollout.hf_decode: `static` compiles its step on CUDA only (CUDA graphs); on CPU
+        # inductor's compiled step measured slower than the eager one (docs/engines.md).
+        self.decode = resolve_decode(decode, self.model.device)
+        on_cuda = self.model.device.type == "cuda"
+        self.static = StaticDecoder(self, cuda_graphs() if on_cuda else None) if self.decode == "static" else None
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
@@ -129,6 +138,16 @@ class HFEngine:
         return cache, out.logits[expand, -1], attention_mask[expand], next_position
 
     def _generate_batch(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
+        if self.static is not None:
+            tokens, logprobs = self.static.generate_batch(prompts, params)
+        else:
+            tokens, logprobs = self._decode_dynamic(prompts, params)
+        tokens, logprobs = tokens.tolist(), logprobs.cpu().tolist()
+        return [make_rollout(p, tokens[row], self.tokenizer, self.stop_ids, logprobs[row]) for row, p in enumerate(prompts)]
+
+    def _decode_dynamic(self, prompts: list[Prompt], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens [B, N] (pad after a stop) and their logprobs [B, N]; a stopped
+        response leaves the batch and the cache."""
         here = self.model.device
         tokens = torch.full((len(prompts), params.max_new_tokens), self.pad_id, dtype=torch.long, device=here)  # [B, N]
         logprobs = torch.zeros(tokens.shape, device=here)  # [B, N] the sampling distribution's logprob of each token
@@ -161,8 +180,7 @@ class HFEngine:
                 )
                 logits = out.logits[:, -1]
                 next_position = next_position + 1
-        tokens, logprobs = tokens.tolist(), logprobs.cpu().tolist()
-        return [make_rollout(p, tokens[row], self.tokenizer, self.stop_ids, logprobs[row]) for row, p in enumerate(prompts)]
+        return tokens, logprobs
 
     @torch.no_grad()
     def score(self, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:

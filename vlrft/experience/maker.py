@@ -3,6 +3,7 @@ advantages in one pass over micro-batches."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -16,9 +17,11 @@ from vlrft.algo.value import ReturnStats
 from vlrft.data.dataset import user_text
 from vlrft.engines.base import RolloutEngine, SamplingParams
 from vlrft.experience.checks import ImageTokenCheck
+from vlrft.experience.distillation import DistillSettings, distill_experiences
 from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows
 from vlrft.models.packing import micro_batches
-from vlrft.models.forward import policy_forward
+from vlrft.models.remote_teacher import RemoteTeacher
+from vlrft.models.forward import policy_forward, teacher_scores
 from vlrft.models.value_model import token_values
 from vlrft.multiturn.in_flight import InFlight
 from vlrft.multiturn.rollout import MultiTurn, multi_turn_steps
@@ -82,6 +85,7 @@ class MakerSettings:
     # entropy (ratio exactly 1) and `policy_metrics` runs after it; this pass skips the policy.
     policy_pass: bool = True
     multi_turn: MultiTurn | None = None  # an environment answers each turn (None: one turn)
+    distill: DistillSettings | None = None  # on-policy distillation (with a teacher)
 
 
 def engine_reports_logprobs(rollouts: list[Rollout]) -> bool:
@@ -109,10 +113,13 @@ class FastExperienceMaker:
         settings: MakerSettings,
         critic: Callable[[], torch.nn.Module] | None = None,
         return_stats: ReturnStats | None = None,
+        teacher: torch.nn.Module | RemoteTeacher | None = None,
     ):
         self.engine = engine
         self.policy = policy  # returns the trainer's current module (same forward as training)
         self.reference = reference
+        self.teacher = teacher  # on-policy distillation: scores every sampled token (settings.distill)
+        self.local_teacher = isinstance(teacher, torch.nn.Module)  # else remote: one call per step for all rollouts
         self.critic = critic  # returns the critic's current module, or None without a critic
         self.rewards = rewards
         self.shape_rewards = shape_rewards  # (rewards [N], truncated [N]) -> shaped rewards [N]
@@ -205,6 +212,10 @@ class FastExperienceMaker:
         if returns is not None and self.return_stats is not None:
             self.return_stats.update(returns, estimated, all_reduce_sum)
             returns = self.return_stats.normalize(returns) * estimated  # the critic's target space
+        if self.teacher is not None:
+            advantages, distilled = distill_experiences(s.distill, experiences, per_token, advantages, estimated,
+                                                        self.teacher_seconds)
+            metrics |= distilled
         for i, e in enumerate(experiences):
             n = len(e.rollout.response_ids)
             e.advantages = advantages[i, :n].clone()
@@ -281,14 +292,17 @@ class FastExperienceMaker:
 
     @torch.no_grad()
     def forward_pass(self, rollouts: list[Rollout], placeholder: Rollout | None = None) -> dict[str, list[torch.Tensor]]:
-        """Per rollout, response-token tensors ([R_i]): old, entropy, ref, kl (policy vs reference)
-        and values, with the trainer's own forward, one micro-batch at a time. With no rollouts,
-        `placeholder` is run as a dummy micro-batch so this rank still joins its peers' forwards."""
+        """Per rollout, response-token tensors ([R_i]): old, entropy, ref, kl (policy vs reference),
+        values and the teacher's teacher/teacher_top, with the trainer's own forward, one
+        micro-batch at a time (a remote teacher: one call for all of this rank's rollouts). With
+        no rollouts, `placeholder` is run as a dummy micro-batch so this rank still joins its
+        peers' forwards."""
         s = self.settings
         batches = micro_batches(rollouts, s.micro_batch_tokens, placeholder, share=s.share_prompts)
         temperature = s.sampling.temperature
         found_for: dict[int, dict[str, torch.Tensor]] = {}  # id(rollout) -> its tensors (packing reorders)
         full = self.reference is not None and s.kl.estimator == FULL_KL  # needs both models' logits
+        self.teacher_seconds = 0.0
         for batch in batches:
             found = {}
             if s.policy_pass:
@@ -301,6 +315,10 @@ class FastExperienceMaker:
                     found["kl"] = torch.nn.functional.pad(full_kl(policy.logits, ref.logits), (1, 0))
                 elif s.policy_pass:
                     found["kl"] = KL_ESTIMATORS.get(s.kl.estimator)(policy.logp, ref.logp)
+            if self.local_teacher:
+                started = time.perf_counter()
+                found["teacher"], found["teacher_top"] = teacher_scores(self.teacher, batch, temperature)
+                self.teacher_seconds += time.perf_counter() - started
             if self.critic is not None:
                 found["values"] = token_values(self.critic(), batch)
             if not batch.dummy:
@@ -310,5 +328,10 @@ class FastExperienceMaker:
                     for rollout, row in zip(batch.samples, gather_responses(batch, value, "cpu")):
                         found_for.setdefault(id(rollout), {})[key] = row
         computed = {key for found in found_for.values() for key in found}
-        return {key: [found_for[id(r)][key] for r in rollouts] if key in computed else []
-                for key in ("old", "entropy", "ref", "kl", "values")}
+        rows = {key: [found_for[id(r)][key] for r in rollouts] if key in computed else []
+                for key in ("old", "entropy", "ref", "kl", "values", "teacher", "teacher_top")}
+        if self.teacher is not None and not self.local_teacher:
+            started = time.perf_counter()
+            rows["teacher"], rows["teacher_top"] = self.teacher.score(rollouts, temperature)
+            self.teacher_seconds = time.perf_counter() - started
+        return rows

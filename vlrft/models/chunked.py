@@ -23,6 +23,18 @@ def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Mod
     return logp, token_entropy(logits)  # [c], [c]
 
 
+def head_calls(head: torch.nn.Module, chunks: int) -> int:
+    """How many times this rank calls `head`: its own `chunks`, or under ZeRO-3 (the head's
+    weight partitioned across ranks) the most any rank of the group makes. ZeRO-3 gathers a
+    module's parameters in every call, forward and backward, a collective of all ranks: a rank
+    with fewer response tokens, so fewer chunks, would leave its peers' gathers unanswered."""
+    if not hasattr(head.weight, "ds_id"):
+        return chunks
+    from vlrft.distributed import all_reduce_max_int
+
+    return all_reduce_max_int(chunks)
+
+
 def chunked_token_stats(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -30,10 +42,16 @@ def chunked_token_stats(
     temperature: float,
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each target, entropy of its distribution), both [N], from hidden [N, H]."""
+    """(logprob of each target, entropy of its distribution), both [N], from hidden [N, H]
+    (N >= 1 under ZeRO-3: each rank calls this once per micro-batch, with a token at least)."""
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens], head, temperature)
+    starts = list(range(0, hidden.shape[0], chunk_tokens))
+    # Under ZeRO-3, calls on the first token that add nothing (x 0) but are in the graph, so
+    # backward gathers for them too: as many head calls as the busiest rank.
+    repeats = [0] * (head_calls(head, len(starts)) - len(starts))
+    for start, repeat in [(s, False) for s in starts] + [(s, True) for s in repeats]:
+        end = start + (1 if repeat else chunk_tokens)
+        args = (hidden[start:end], targets[start:end], head, temperature)
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping them. No metadata
             # check of the recomputed tensors: under ZeRO-3 a frozen head (LoRA) is released
@@ -42,6 +60,9 @@ def chunked_token_stats(
             logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False, determinism_check="none")
         else:
             logp, entropy = _chunk_stats(*args)
+        if repeat:
+            logps[0] = logps[0] + 0.0 * logp.sum()
+            continue
         logps.append(logp)
         entropies.append(entropy)
     if not logps:

@@ -23,7 +23,8 @@ import torch
 from vlrft.algo.entropy import token_entropy
 from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.attention import decoder_autocast
-from vlrft.models.chunked import LOGIT_CHUNK_TOKENS, chunked_token_stats
+from vlrft.models.chunked import LOGIT_CHUNK_TOKENS
+from vlrft.models.fused_head import head_token_stats
 from vlrft.models.vision_calls import encode_vision
 from vlrft.types import MicroBatch
 
@@ -55,11 +56,40 @@ def policy_forward(
     # A LoRA policy's reference is the policy with adapters off (models/lora.py BaseModelView).
     context = getattr(model, "forward_context", contextlib.nullcontext)
     with decoder_autocast(inner), context():
-        inputs = forward_inputs(inner.model, batch)
-        vision_zero = encode_vision(inner.model, inputs)  # same vision calls on every rank
-        base = inner.model(**inputs, use_cache=False, **extra)
-        hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
+        hidden, base = _decoder(inner, batch, extra)
         return _head_stats(inner, batch, hidden, base, temperature, moe_aux, keep_logits, chunk_tokens)
+
+
+def _decoder(inner, batch: MicroBatch, extra: dict):
+    """The decoder's last hidden states [B, L, H] (vision tower included) and its output."""
+    inputs = forward_inputs(inner.model, batch)
+    vision_zero = encode_vision(inner.model, inputs)  # same vision calls on every rank
+    base = inner.model(**inputs, use_cache=False, **extra)
+    hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
+    return hidden, base
+
+
+@torch.no_grad()
+def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float,
+                   chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen teacher's view of the response tokens: ([B, L] logprob of each, as
+    `policy_forward` computes it; [B, L] 1.0 where the token is the teacher's most likely),
+    0 elsewhere. The LM head runs a chunk of tokens at a time (the logits are [chunk, V])."""
+    inner = getattr(model, "module", model)
+    with decoder_autocast(inner):
+        hidden, _ = _decoder(inner, batch, {})
+        scored = batch.response_mask.bool().to(hidden.device)  # [B, L]
+        sample, token = scored.nonzero(as_tuple=True)
+        predicting = hidden[sample, predictor_rows(batch).to(hidden.device)[sample, token]]  # [N, H]
+        targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
+        logps, tops = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
+        for start in range(0, predicting.shape[0], chunk_tokens):
+            logits = inner.lm_head(predicting[start : start + chunk_tokens]).float() / temperature  # [c, V]
+            target = targets[start : start + chunk_tokens]
+            logps.append(logits.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+            tops.append((logits.argmax(dim=-1) == target).float())
+    logp = torch.zeros(scored.shape, device=hidden.device).masked_scatter(scored, torch.cat(logps))
+    return logp, torch.zeros(scored.shape, device=hidden.device).masked_scatter(scored, torch.cat(tops))
 
 
 def _head_stats(
@@ -77,18 +107,20 @@ def _head_stats(
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
         keep = scored[:, 1:].float()
         return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
-    sample, token = scored.nonzero(as_tuple=True)  # [N] each, in row order
-    targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
-    logp_sel, entropy_sel = chunked_token_stats(hidden[sample, rows[sample, token]], targets, inner.lm_head, temperature, chunk_tokens)
-    logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32
-    entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L] fp32
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect. It
-        # goes through the same chunked (checkpointed) LM-head call as one scored token: ZeRO-3
-        # gathers parameters per module call, so every rank must make the same calls.
-        zero, _ = chunked_token_stats(hidden[0, :1], batch.input_ids[0, :1].to(hidden.device), inner.lm_head, temperature, chunk_tokens)
-        logp = logp + 0.0 * zero.sum()
+        # goes through the same LM-head call (models/fused_head.py) as one scored token: ZeRO-3
+        # gathers parameters per module call (the fused head: per call), so every rank makes
+        # one call per micro-batch (and the chunked head as many chunks as the busiest rank).
+        zero, _ = head_token_stats(inner, hidden[0, :1], batch.input_ids[0, :1].to(hidden.device), temperature, chunk_tokens)
+        logp = hidden.new_zeros(scored.shape, dtype=torch.float32) + 0.0 * zero.sum()
+        return ForwardOut(logp=logp, entropy=torch.zeros_like(logp).detach(), aux_loss=aux)
+    sample, token = scored.nonzero(as_tuple=True)  # [N] each, in row order
+    targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
+    logp_sel, entropy_sel = head_token_stats(inner, hidden[sample, rows[sample, token]], targets, temperature, chunk_tokens)
+    logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32
+    entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L] fp32
     return ForwardOut(logp=logp, entropy=entropy, aux_loss=aux)
 
 

@@ -45,10 +45,11 @@ def local_model_dir(path: str, key: str) -> str:
 
 
 def resolve_model_paths(cfg) -> None:
-    """Replace hub ids in `model.path`, `model.ref_path` and `critic.path` by their local
+    """Replace hub ids in `model.path`, `model.ref_path`, `critic.path` and `teacher.path` by their local
     snapshot directories (a collective: every rank calls it). Local rank 0 fetches first so a
     node downloads each model once; the other ranks then find it in the cache."""
-    fields = [(cfg.model, "path", "model.path"), (cfg.model, "ref_path", "model.ref_path"), (cfg.critic, "path", "critic.path")]
+    fields = [(cfg.model, "path", "model.path"), (cfg.model, "ref_path", "model.ref_path"), (cfg.critic, "path", "critic.path"),
+              (cfg.teacher, "path", "teacher.path")]
     fields = [(section, name, key) for section, name, key in fields if getattr(section, name)]
     for section, name, key in fields:  # a local path that is not there: one line, before any loading
         if not is_model_id(getattr(section, name)):

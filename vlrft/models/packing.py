@@ -94,7 +94,7 @@ def empty_response(prompt: Prompt) -> Experience:
     rollout = Rollout(prompt=prompt, group_id=-1, response_ids=[], response_text="", truncated=False)
     empty = torch.zeros(0)
     return Experience(
-        rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, advantages=empty, values=empty, returns=empty,
+        rollout, 0.0, {}, old_logprobs=empty, ref_logprobs=empty, teacher_logprobs=empty, advantages=empty, values=empty, returns=empty,
         entropy=empty, correction=empty, in_loss=False,
     )
 

@@ -22,6 +22,9 @@ from vlrft.models.shared_keys import end_aligned_causal_mask, gather_shared_keys
 SDPA_SEGMENTS = "vlrft_sdpa_segments"
 
 
+# Eager inside a compiled layer (models/compiled_layers.py): its Python walk over the segments
+# would otherwise make every new set of segment lengths a new graph.
+@torch.compiler.disable
 def sdpa_segments_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             sliding_window=None, cu_seq_lens_q=None, cu_seq_lens_k=None, shared_key_index=None, **kwargs):
     """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] ->

@@ -135,7 +135,9 @@ def _load_judge(path: str, min_pixels: int, max_pixels: int):
             # No prompt-length cap of its own: the judge's context length is the limit.
             encoder = PromptEncoder(path, min_pixels, max_pixels, max_prompt_tokens=sys.maxsize)
             tok = encoder.tokenizer
-            engine = HFEngine(path, tok, stop_token_ids(tok), banned_token_ids(tok), max_batch=sys.maxsize)
+            # Dynamic decoding: a judge is called from worker threads (CUDA graphs are captured
+            # per thread) with batches of any size (each would compile a step of its own).
+            engine = HFEngine(path, tok, stop_token_ids(tok), banned_token_ids(tok), max_batch=sys.maxsize, decode="dynamic")
             entry = _JUDGE_CACHE[path] = {"engine": engine, "lock": threading.Lock(), "encoders": {(min_pixels, max_pixels): encoder}}
         if (min_pixels, max_pixels) not in entry["encoders"]:
             entry["encoders"][(min_pixels, max_pixels)] = PromptEncoder(path, min_pixels, max_pixels, sys.maxsize)

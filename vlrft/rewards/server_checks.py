@@ -1,6 +1,7 @@
-"""The reward server's guards as pure functions: who may start it, who may call it, and how
-big a request may be. vlrft.rewards.server (and server_http, for the checks made on the headers
-before any of the body is read) turns a `Rejected` into a JSON 4xx answer.
+"""The guards of vlrft's servers (the reward server, the teacher server) as pure functions: who
+may start one, who may call it, and how big a request may be. vlrft.rewards.server_common (and
+server_http, for the checks made on the headers before any of the body is read) turns a
+`Rejected` into a JSON 4xx answer.
 
 Status codes: 400 not UTF-8 JSON, 401 no or wrong token, 403 sent by a web page (an Origin, or
 without a token a Host that is not this machine), 413 over a limit (the message names the flag),
@@ -15,6 +16,7 @@ import ipaddress
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,7 @@ class Rejected(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits; each default is a `vlrft reward-server` flag's default."""
+    """Per-request limits; each default is a flag's default (`vlrft reward-server`, `vlrft teacher-server`)."""
 
     max_body_bytes: int = 16 * 2**20  # --max-body-mb 16
     max_items: int = 256  # --max-items
@@ -49,31 +51,43 @@ class Limits:
     def __post_init__(self):
         for name, value in vars(self).items():
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"reward server: {name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"server: {name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
-class ServerOptions:
-    """How `vlrft reward-server` listens; the defaults are its flags' defaults."""
+class ListenOptions:
+    """How a vlrft server (`vlrft reward-server`, `vlrft teacher-server`) listens and whom it
+    answers; the defaults are their flags' defaults."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     threads: int = 4
-    timeout_s: float = 60.0
     token: str | None = None
-    allow_code_recipe: bool = False
-    unsafe_no_isolation: bool = False  # run a code recipe where bubblewrap is missing
     max_connections: int = 128  # open connections; at the cap the oldest not let in is closed (server_http.py)
     backlog: int = 1024  # the kernel's accept queue (capped by net.core.somaxconn): server_http.py
     read_timeout_s: float = 30.0  # a request's headers and body, from its first byte
-    max_code_seconds: float = 60.0  # a code recipe's call: all of a request's programs and tests
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
         for name in ("threads", "max_connections", "backlog"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"reward server: {name} must be at least 1, got {getattr(self, name)}")
-        for name in ("timeout_s", "read_timeout_s", "max_code_seconds"):
+                raise ConfigError(f"server: {name} must be at least 1, got {getattr(self, name)}")
+        if not self.read_timeout_s > 0:
+            raise ConfigError(f"server: read_timeout_s must be positive, got {self.read_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ServerOptions(ListenOptions):
+    """`vlrft reward-server`'s options: how it listens, and how it runs its recipe."""
+
+    timeout_s: float = 60.0
+    allow_code_recipe: bool = False
+    unsafe_no_isolation: bool = False  # run a code recipe where bubblewrap is missing
+    max_code_seconds: float = 60.0  # a code recipe's call: all of a request's programs and tests
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("timeout_s", "max_code_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"reward server: {name} must be positive, got {getattr(self, name)}")
 
@@ -88,19 +102,28 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_token(token_file: str | None) -> str | None:
-    """The server's (or client's) bearer token: the file's first line, else $VLRFT_REWARD_TOKEN,
-    else None. A file (not a flag) keeps the secret out of `ps` output."""
+def read_token(token_file: str | None, env: str = TOKEN_ENV, what: str = "reward server") -> str | None:
+    """A server's (or client's) bearer token: the file's first line, else $`env`, else None. A
+    file (not a flag) keeps the secret out of `ps` output."""
     if token_file:
         path = Path(token_file).expanduser()
         try:
             token = path.read_text().strip()
         except OSError as err:
-            raise ConfigError(f"reward server token file {path}: {err.strerror or err}") from None
+            raise ConfigError(f"{what} token file {path}: {err.strerror or err}") from None
         if not token or "\n" in token:
-            raise ConfigError(f"reward server token file {path}: must hold one non-empty line")
+            raise ConfigError(f"{what} token file {path}: must hold one non-empty line")
         return token
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    return os.environ.get(env, "").strip() or None
+
+
+def check_bind(host: str, token: str | None, what: str = "reward server", env: str = TOKEN_ENV) -> None:
+    """Refuse to listen beyond this machine without a token."""
+    if token is None and not is_loopback(host):
+        raise ConfigError(
+            f"{what}: --host {host} is not a loopback address, so a token is required: "
+            f"give --token-file PATH or set {env} (clients send 'Authorization: Bearer TOKEN')"
+        )
 
 
 def check_start(host: str, token: str | None, recipe: str, fn: Callable, allow_code: bool,
@@ -109,18 +132,17 @@ def check_start(host: str, token: str | None, recipe: str, fn: Callable, allow_c
     this machine without a token, or a code recipe beyond it without opt-in."""
     if runs_code(fn):
         check_can_run_code(f"reward server recipe '{recipe}'", unsafe_no_isolation, "give --unsafe-no-isolation")
-    if is_loopback(host):
-        return
-    if token is None:
-        raise ConfigError(
-            f"reward server: --host {host} is not a loopback address, so a token is required: "
-            f"give --token-file PATH or set {TOKEN_ENV} (clients send 'Authorization: Bearer TOKEN')"
-        )
-    if runs_code(fn) and not allow_code:
+    check_bind(host, token)
+    if not is_loopback(host) and runs_code(fn) and not allow_code:
         raise ConfigError(
             f"reward server: recipe '{recipe}' executes the completions it is sent; serving it on "
             f"--host {host} needs --allow-code-recipe"
         )
+
+
+def log(name: str, line: str) -> None:
+    """One line of a server's log on its stderr ("vlrft reward server: ...")."""
+    print(f"vlrft {name}: {line}", file=sys.stderr, flush=True)
 
 
 def loggable(text: str, limit: int = 120) -> str:

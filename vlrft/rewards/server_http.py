@@ -1,4 +1,4 @@
-"""The reward server's connection handling, in waitress's own extension points.
+"""The connection handling of vlrft's servers (reward, teacher), in waitress's own extension points.
 
 waitress reads each request, headers and body, in its event loop (wasyncore: one thread, any
 number of connections) and hands it to its thread pool only once complete. Out of the box it
@@ -32,14 +32,13 @@ class), so this file extends them rather than trading waitress for another serve
 - waitress's own refusals (a body over twice the limit, a malformed request) are JSON too, and
   what a client sent is logged escaped (server_checks.loggable).
 
-Imported only by vlrft.rewards.server.serve (waitress is an extra).
+Imported only by vlrft.rewards.server_common.listen (waitress is an extra).
 """
 
 from __future__ import annotations
 
 import json
 import select
-import sys
 import time
 from functools import partial
 from http import HTTPStatus
@@ -51,7 +50,7 @@ from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask
 from waitress.utilities import Error, RequestEntityTooLarge
 
-from vlrft.rewards.server_checks import Rejected, loggable
+from vlrft.rewards.server_checks import Rejected, log, loggable
 
 # A connection accepted (or answered) less than this ago is not shed: its request may be on its
 # way. Short, because a client sends its request as it connects, and what a connection has sent
@@ -67,10 +66,6 @@ DRAIN_BYTES = 64 * 1024
 BODY_GRACE_S = 2.0
 MIN_BODY_RATE = 32 * 1024  # bytes per second
 ACCEPT_BATCH = 64  # connections accepted per turn of the event loop, at most
-
-
-def log(line: str) -> None:
-    print(f"vlrft reward server: {line}", file=sys.stderr, flush=True)
 
 
 class Refused(Error):
@@ -89,7 +84,7 @@ class JsonErrorTask(ErrorTask):
         err, request = self.request.error, self.request
         if isinstance(err, Refused):
             message = err.body
-            log(f"{err.code} {loggable(request.command or '?', 20)} {loggable(request.path or '?')} "
+            self.channel.server.note(f"{err.code} {loggable(request.command or '?', 20)} {loggable(request.path or '?')} "
                 f"from {self.channel.addr[0]}: {loggable(message, 300)}")
         else:
             if isinstance(err, RequestEntityTooLarge):
@@ -97,7 +92,7 @@ class JsonErrorTask(ErrorTask):
                 message = f"request body is over twice the limit of {cap // 2} bytes (--max-body-mb)"
             else:
                 message = f"{err.reason}: {err.body}"
-            log(f"{err.code} (refused by waitress) from {self.channel.addr[0]}: {loggable(message, 300)}")
+            self.channel.server.note(f"{err.code} (refused by waitress) from {self.channel.addr[0]}: {loggable(message, 300)}")
         body = json.dumps({"error": message}).encode()
         self.status = f"{err.code} {err.reason}"
         self.response_headers.append(("Content-Type", "application/json"))
@@ -226,11 +221,15 @@ class GuardedServer(TcpWSGIServer):
     channel_class = GuardedChannel
 
     def __init__(self, *args, check: Callable[..., None], max_connections: int,
-                 read_timeout_s: float, **kwargs):
+                 read_timeout_s: float, name: str, **kwargs):
         # Set before waitress's __init__, which starts listening: the loop may ask for them at once.
         self.check_headers, self.max_connections, self.read_timeout_s = check, max_connections, read_timeout_s
+        self.name = name  # "reward server": how its log lines start
         self.shed_quietly = 0  # connections shed since the last log line
         super().__init__(*args, **kwargs)
+
+    def note(self, line: str) -> None:  # (not `log`: wasyncore's dispatcher has one)
+        log(self.name, line)
 
     def check(self, method: str, headers: dict) -> None:
         self.check_headers(method, headers, port=int(self.effective_port))
@@ -286,7 +285,7 @@ class GuardedServer(TcpWSGIServer):
     def maintenance(self, now: float) -> None:
         super().maintenance(now)  # idle connections: channel_timeout
         if self.shed_quietly:
-            log(f"closed {self.shed_quietly} connection(s) that sent no request let in for {SHED_GRACE_S:g}s or "
+            self.note(f"closed {self.shed_quietly} connection(s) that sent no request let in for {SHED_GRACE_S:g}s or "
                 f"more: the server is at --max-connections {self.max_connections}")
             self.shed_quietly = 0
         for channel in list(self.active_channels.values()):
@@ -294,7 +293,7 @@ class GuardedServer(TcpWSGIServer):
                 continue
             if now - channel.request_started > self.read_timeout_s:
                 channel.will_close = True
-                log(f"closed a connection from {channel.addr[0]}: its request did not arrive in full within "
+                self.note(f"closed a connection from {channel.addr[0]}: its request did not arrive in full within "
                     f"{self.read_timeout_s:g}s (--read-timeout-s)")
                 continue
             arriving = channel.arriving_body(now)

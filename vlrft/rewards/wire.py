@@ -37,7 +37,7 @@ def encode_samples(samples: list[dict]) -> list[dict]:
     for sample in samples:
         item = {k: sample[k] for k in SAMPLE_FIELDS if k in sample}
         if "images" in item:
-            item["images"] = [{"png_base64": _png(img)} for img in item["images"]]
+            item["images"] = [encode_image(img) for img in item["images"]]
         out.append(item)
     return out
 
@@ -52,23 +52,32 @@ def decode_samples(samples: list[dict], max_image_pixels: int | None = None,
 def check_samples(samples: list[dict], max_image_pixels: int | None = None,
                   max_request_pixels: int | None = None) -> list[dict]:
     """The samples with each image's header read and checked, none of them decoded: each image
-    becomes a CheckedImage (its bytes and size). An image (or all of them together) over a
-    pixel limit is refused before any is decoded: a 78 KB PNG can declare a quarter of a
-    gigabyte of pixels. Each image counts at least MIN_IMAGE_PIXELS; its metadata (PNG text
-    chunks, which Pillow inflates as it reads them: up to 64 MiB an image) is dropped as soon
-    as it is read, one image at a time, and a JPEG of more than MAX_JPEG_SCANS scans (each a
-    pass over the whole image) is refused."""
-    out, total = [], 0
+    becomes a CheckedImage (its bytes and size), by `check_images`."""
     for i, sample in enumerate(samples):
-        images = sample.get("images", [])
-        if not isinstance(images, list):
+        if not isinstance(sample.get("images", []), list):
             raise WireError(f"sample {i}: 'images' must be a list")
-        checked = [_open(img, f"sample {i} image {k}", max_image_pixels) for k, img in enumerate(images)]
+    checked = check_images([(f"sample {i}", s.get("images", [])) for i, s in enumerate(samples)],
+                           max_image_pixels, max_request_pixels)
+    return [{**s, "images": images} if "images" in s else dict(s) for s, images in zip(samples, checked)]
+
+
+def check_images(groups: list[tuple[str, list]], max_image_pixels: int | None = None,
+                 max_request_pixels: int | None = None) -> list[list[CheckedImage]]:
+    """Each (name, encoded images) group's images as CheckedImages, in order: the header of
+    each read and checked, none decoded. An image (or all of them together) over a pixel limit
+    is refused before any is decoded: a 78 KB PNG can declare a quarter of a gigabyte of
+    pixels. Each image counts at least MIN_IMAGE_PIXELS; its metadata (PNG text chunks, which
+    Pillow inflates as it reads them: up to 64 MiB an image) is dropped as soon as it is read,
+    one image at a time, and a JPEG of more than MAX_JPEG_SCANS scans (each a pass over the
+    whole image) is refused. Errors name the group ("sample 3 image 1")."""
+    out, total = [], 0
+    for name, images in groups:
+        checked = [_open(img, f"{name} image {k}", max_image_pixels) for k, img in enumerate(images)]
         total += sum(max(img.width * img.height, MIN_IMAGE_PIXELS) for img in checked)
         if max_request_pixels is not None and total > max_request_pixels:
             raise PixelLimitError(f"the request's images hold over {max_request_pixels} pixels "
-                                  f"(--max-request-pixels), {total} by sample {i}")
-        out.append({**sample, "images": checked} if "images" in sample else dict(sample))
+                                  f"(--max-request-pixels), {total} by {name}")
+        out.append(checked)
     return out
 
 
@@ -80,9 +89,19 @@ def decode_checked(samples: list[dict]) -> list[dict]:
     for i, sample in enumerate(samples):
         item = dict(sample)
         if "images" in item:
-            item["images"] = [_decode(img, f"sample {i} image {k}") for k, img in enumerate(item["images"])]
+            item["images"] = decode_images(item["images"], f"sample {i}")
         out.append(item)
     return out
+
+
+def decode_images(images: list[CheckedImage], name: str) -> list[Image.Image]:
+    """`check_images`' images of group `name`, decoded to RGB (WireError naming the image)."""
+    return [_decode(img, f"{name} image {k}") for k, img in enumerate(images)]
+
+
+def encode_image(image: Image.Image) -> dict:
+    """An image as the wire carries it: {"png_base64": ...} (lossless: the same pixels arrive)."""
+    return {"png_base64": _png(image)}
 
 
 def _png(image: Image.Image) -> str:

@@ -41,7 +41,7 @@ from vlrft.distributed import (
 )
 from vlrft.distributed import world_size as role_world_size
 from vlrft.multiturn.in_flight import InFlight
-from vlrft.rank_watch import rank_ranges
+from vlrft.rank_watch import doubt_peers, rank_ranges
 from vlrft.trainer.checkpoint import checkpoint_dir, checkpoint_due, rng_state, set_rng_state
 from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
 from vlrft.trainer.checkpoint_read import load_state, restoring
@@ -195,6 +195,13 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         if step:
             all_reduce_max_int(step)
             raise stopped(step)
+        doubt_if_signalled()
+
+    def doubt_if_signalled() -> None:
+        # A signal during a wait on the store may be torchrun's after a peer died: a wait there
+        # would never see it, so the rank watch now takes a peer silent for seconds as dead.
+        if trainer.stop_signal is not None:
+            doubt_peers()
 
     def stop_if_a_peer_stopped() -> None:
         step = all_reduce_max_int(0)
@@ -232,6 +239,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         def note_the_stop() -> None:
             if board.stopped_after():
                 raise StoppedMidBatch
+            doubt_if_signalled()
 
         def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
             nonlocal taken_mid_batch, looked, stop_seen

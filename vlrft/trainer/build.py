@@ -3,16 +3,21 @@ training backends."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from vlrft.algo.estimate import AdvantageOptions
 from vlrft.algo.kl import FULL_KL, AdaptiveKLController, FixedKLController
 from vlrft.algo.shaping import transform_rewards, zero_truncated
 from vlrft.config import Config, kl_estimator_name, optimizer_steps_of_run, rollout_correction_mode
-from vlrft.distributed import device
+from vlrft.distributed import device, global_rank
 from vlrft.engines import SamplingParams
+from vlrft.models.compiled_layers import compile_layers, compile_wanted, eager_under_checkpointing
+from vlrft.models.fused_head import resolve_fused_head
 from vlrft.models.loader import load_model
 from vlrft.errors import ConfigError
+from vlrft.experience.distillation import DistillSettings
 from vlrft.experience.maker import CorrectionSettings, KLSettings, MakerSettings
 from vlrft.algo.losses import LossSettings
 from vlrft.trainer.update import UpdateSettings
@@ -57,9 +62,10 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     """Whether the update's forward can supply the old logprobs, skipping the experience pass's
     policy forward: when the batch feeds exactly one optimizer step the old policy is the one
     being updated (ratio exactly 1). Not when anything before the update needs the policy's
-    logprobs: the KL in the reward, the exact-vocabulary KL (it needs the policy's logits), or
-    actor-frozen critic warm-up steps (no update fills them). Nor with LoRA dropout: the
-    update's forward is then not the rollout policy's function."""
+    logprobs: the KL in the reward, the exact-vocabulary KL (it needs the policy's logits),
+    actor-frozen critic warm-up steps (no update fills them), or a distillation teacher (its
+    per-token term needs the student's logprob beside the teacher's). Nor with LoRA dropout:
+    the update's forward is then not the rollout policy's function."""
     algo = cfg.algo
     needs_policy_kl = algo.kl.coef > 0 and (algo.kl.placement == "reward" or kl_estimator_name(algo.kl) == FULL_KL)
     return (
@@ -68,6 +74,7 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and cfg.critic.freeze_actor_steps == 0
         and not needs_policy_kl
         and cfg.model.lora.dropout == 0
+        and not cfg.teacher.enabled()
     )
 
 
@@ -107,6 +114,7 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None,
         correction=correction_settings(cfg),
         policy_pass=not old_logprobs_from_update(cfg),
         multi_turn=multi_turn,
+        distill=DistillSettings(cfg.algo.distill.mode, cfg.algo.distill.coef) if cfg.teacher.enabled() else None,
     )
 
 
@@ -139,6 +147,9 @@ def update_settings(cfg: Config) -> UpdateSettings:
         target_kl=algo.target_kl,
         correction=correction_settings(cfg),
         value_clip=cfg.critic.value_clip,
+        distill_loss_coef=cfg.algo.distill.coef if cfg.teacher.enabled() and cfg.algo.distill.mode == "loss" else 0.0,
+        kl_cov_ratio=cfg.algo.kl_cov_ratio,
+        kl_cov_coef=cfg.algo.kl_cov_coef,
     )
 
 
@@ -149,7 +160,29 @@ def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
     do not round away."""
     weights = "bfloat16" if precision[1] == "bfloat16" and cfg.algo.kl.ref_ema_eta == 0 else "float32"
     model = load_model(cfg.model.ref_path or cfg.model.path, *precision, weights_dtype=weights)
+    choose_fused_head(cfg, model)  # the policy's head
+    compile_for_training(cfg, model)
     return model.eval().requires_grad_(False).to(device())
+
+
+def choose_fused_head(cfg: Config, model: torch.nn.Module) -> str:
+    """`model.fused_head` resolved for `model` (policy or reference) and set on it, where
+    policy_forward reads it. Returns the head chosen."""
+    model.fused_head = resolve_fused_head(cfg.model.fused_head, cfg.model.compute_dtype, model.lm_head)
+    return model.fused_head
+
+
+def compile_for_training(cfg: Config, *models: torch.nn.Module | None) -> int:
+    """`model.compile`: each model's decoder layers and vision blocks compiled in place (None:
+    no such model). After gradient checkpointing, before DeepSpeed wraps them. Returns how many
+    layers were compiled."""
+    models = [model for model in models if model is not None]
+    if not compile_wanted(cfg.model.compile, cfg.train.zero_stage) or not models:
+        return 0
+    why_eager = eager_under_checkpointing(models[0])
+    if why_eager and global_rank() == 0:
+        print(f"vlrft: warning: {why_eager}", file=sys.stderr)
+    return sum(compile_layers(model) for model in models)
 
 
 def training_backend(cfg: Config, model: torch.nn.Module, lr: float, param_groups: list[dict] | None = None):

@@ -15,8 +15,11 @@ import torch
 from vlrft.config import GuardsConfig
 from vlrft.distributed import all_gather_1d, all_gather_objects
 from vlrft.isolation.budget import CALL_KINDS, STEP_BUDGET
+from vlrft.trainer.run_health import CollapseError, HealthWatch
 from vlrft.trainer.sync_check import SyncCheck
+from vlrft.models.compiled_layers import compiled_frames
 from vlrft.trainer.watches import (
+    CompileWatch,
     ComponentWatch,
     MemoryWatch,
     MIB,
@@ -29,13 +32,17 @@ from vlrft.types import Experience
 
 
 class RunGuards:
-    def __init__(self, cfg: GuardsConfig, engine, engine_name: str, component_names: list[str], rank: int):
+    def __init__(self, cfg: GuardsConfig, engine, engine_name: str, component_names: list[str], rank: int,
+                 accuracy_component: str = ""):
         self.cfg, self.rank = cfg, rank
+        self.health = HealthWatch(cfg.collapse_drop, cfg.collapse_window, cfg.plateau_patience, cfg.plateau_tolerance,
+                                  accuracy_component)
         self.component_names = component_names
         self.sync = SyncCheck(engine, engine_name, cfg.sync_max_logprob_gap)
         self.components = ComponentWatch(cfg.component_patience)
         self.memory = {"perf/host_rss_gib": MemoryWatch(cfg.memory_window),
                        "perf/cuda_allocated_gib": MemoryWatch(cfg.memory_window)}
+        self.compiles = CompileWatch(compiled_frames())
 
     def start_step(self) -> None:
         STEP_BUDGET.start(self.cfg.step_reward_budget_s)
@@ -52,7 +59,34 @@ class RunGuards:
         slowest = slowest.view(-1, len(CALL_KINDS)).max(dim=0).values.tolist()
         metrics = {f"perf/slowest_{kind}_call_seconds": seconds for kind, seconds in zip(CALL_KINDS, slowest)}
         metrics |= self._components(generated)
-        return metrics | self._memory()
+        return metrics | self._memory() | self._compiles()
+
+    def after_learning(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Collapse and plateau (trainer/run_health.py) from the step's metrics, the same on every
+        rank that trains: rank 0 warns; with guards.on_collapse stop every such rank raises.
+        Returns `guards/collapse` and `guards/plateau` (1 at the step a warning fires; the report
+        marks them on its curves)."""
+        lines, collapse = self.health.update(step, metrics)
+        if collapse is not None and self.cfg.on_collapse == "stop":
+            raise CollapseError(lines[0].removeprefix("vlrft: warning: ") + "; stopped (guards.on_collapse: stop)")
+        for line in lines:
+            if self.rank == 0:
+                print(line, flush=True)
+        return {"guards/collapse": float(collapse is not None),
+                "guards/plateau": float(any(": warning: plateau" in line for line in lines))}
+
+    def _compiles(self) -> dict[str, float]:
+        """Frames torch.compile compiled on this rank during the step (model.compile, the HF
+        engine's static decode); nothing while it never compiled anything."""
+        frames = compiled_frames()
+        if frames == 0:
+            return {}
+        new, streak = self.compiles.update(frames)
+        if streak:
+            print(f"vlrft: warning: rank {self.rank}: torch.compile compiled again at each of the last "
+                  f"{self.compiles.patience} steps ({new} frames this step): something the compiled code depends on "
+                  "changes every step; TORCH_LOGS=recompiles names it (model.compile)", flush=True)
+        return {"perf/compiles": float(new)}
 
     def _components(self, generated: list[Experience]) -> dict[str, float]:
         local = component_ranges([e.reward_components for e in generated], self.component_names)

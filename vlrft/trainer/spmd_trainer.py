@@ -6,83 +6,43 @@ update -> sync -> log/evaluate -> save
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from vlrft.algo.shaping import ZeroRewardWatch
-from vlrft.algo.value import ReturnStats
-from vlrft.config import Config, to_dict
-from vlrft.errors import ConfigError
-from vlrft.config_checks import check_world_size
-from vlrft.data.columns import columns_from
-from vlrft.data.encoding import PromptEncoder
-from vlrft.data.media import media_from
-from vlrft.isolation.sandbox import configure as sandbox_settings
-from vlrft.data.ptx import PtxStream
-from vlrft.data.sampler import PromptSampler
-from vlrft.engines import ENGINES
-from vlrft.experience.checks import ImageTokenCheck
-from vlrft.experience.maker import FastExperienceMaker
+from vlrft.config import Config
 from vlrft.experience.replay_buffer import ReplayBuffer
-from vlrft.metrics import ConsoleSink, JsonlSink, MetricsLogger
-from vlrft.metrics.external_sinks import configured_sinks
-from vlrft.models.attention import resolve_attention
-from vlrft.models.hub import resolve_model_paths
-from vlrft.models.loader import (
-    banned_token_ids,
-    enable_gradient_checkpointing,
-    freeze_vision_tower,
-    load_model,
-    stop_token_ids,
-    vision_tower,
-)
-from vlrft.models.lora import BaseModelView, add_lora, dropout_active, export_lora, merged_weights, optimizer_groups
-from vlrft.models.value_model import load_value_model
-from vlrft.multiturn.environment import shows_images
-from vlrft.rewards.mix import RewardError, RewardMix
-from vlrft.trainer.bad_input import BadInput
-from vlrft.trainer.build import (
-    kl_controller,
-    load_reference,
-    maker_settings,
-    multi_turn,
-    reward_shaper,
-    training_backend,
-    update_settings,
-)
+from vlrft.models.lora import dropout_active, export_lora, merged_weights
+from vlrft.rewards.mix import RewardError
+from vlrft.trainer.build import update_settings
 from vlrft import progress
 from vlrft.trainer import checkpoint_io
-from vlrft.trainer.run_start import start_run
 from vlrft.trainer.checkpoint_io import TrainingStopped
-from vlrft.trainer.checkpoint import checkpoint_due, rng_state, set_rng_state
-from vlrft.trainer.run_lock import claim_run_dir
-from vlrft.trainer.vision_modalities import agree_modalities, data_modalities
+from vlrft.trainer.checkpoint import checkpoint_due
 from vlrft.trainer.critic_update import critic_update
-from vlrft.distributed import (
-    all_reduce_sum,
-    barrier,
-    init_distributed,
-    local_world_size,
-    rank,
-    world_size,
-)
+from vlrft.distributed import all_reduce_sum, barrier
 from vlrft.trainer.async_roles import evaluation_due, resume_rollout_rank, run_role
-from vlrft.trainer.weights_delivery import WEIGHTS_SOURCE, RolloutRanks, take_async_role
 from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
-from vlrft.trainer.guards import RunGuards
+from vlrft.trainer.models_setup import declare_modalities, setup_models
 from vlrft.trainer.rank_balance import balance_across_ranks
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
+from vlrft.trainer.run_setup import (
+    setup_data,
+    setup_engine,
+    setup_guards,
+    setup_logging,
+    setup_maker,
+    setup_policy_ema,
+    setup_process,
+    setup_rewards,
+)
 from vlrft.trainer.trajectory_metrics import trajectory_metrics
 from vlrft.trainer.step_api import response_logprobs, train_on_responses
 from vlrft.trainer.update import policy_update
-from vlrft.trajectory.saver import TrajectorySaver
 from vlrft.types import Experience
 
 
@@ -90,109 +50,35 @@ class SPMDTrainer:
     """One trainer for text and vision-language policies: modality is data, not a subclass."""
 
     def __init__(self, cfg: Config):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one bar per rank per checkpoint load is noise
+        """The setup steps (trainer/run_setup.py, trainer/models_setup.py). Their order matters:
+        the data before the models (the vision modalities), the models before the engine (vLLM
+        takes the GPU memory left), a resumed checkpoint last."""
         self.cfg = cfg
-        self.rank, self.world_size = init_distributed()
-        unisolated = sandbox_settings(cfg.sandbox.unsafe_no_isolation)  # before any worker process starts
-        if unisolated and self.rank == 0:
-            print(unisolated, file=sys.stderr, flush=True)
-        check_world_size(cfg, self.world_size, local_world_size())
-        resolve_model_paths(cfg)  # hub ids -> local snapshot directories
-        torch.manual_seed(cfg.train.seed + self.rank)  # ranks sample different responses
-        self.out_dir = Path(cfg.output.dir)
-        self.global_step = 0
-        claim_run_dir(self.out_dir, self.rank)  # before anything in it is read, written or discarded
-        resume_from, start_step = start_run(cfg, self.out_dir, self.rank, self.world_size)
-        # Asynchronous training: this rank generates or trains, and from here on its rank and
-        # world are those of its role (trainer/async_roles.py).
-        self.role, self.weights = "both", None  # an async run's routes of the weights (weights_delivery.WeightsRoutes)
+        process = setup_process(cfg)
+        self.rank, self.world_size, self.role = process.rank, process.world_size, process.role
+        self.weights = process.weights  # an async run's routes of the weights (weights_delivery.WeightsRoutes)
         self.weights_version = 0  # an async rollout rank's engine: the policy version it holds
         self.started_ahead = []  # an async rollout rank's next batches, started early (async_roles.StartedBatch)
-        if cfg.train.mode == "async":
-            self.role, self.weights = take_async_role(cfg.rollout.ranks, cfg.train.partial_rollouts)
-            self.rank, self.world_size = rank(), world_size()
-            torch.manual_seed(cfg.train.seed + self.rank)  # a role's rank k samples as a sync run's rank k
+        self.out_dir, self.global_step = Path(cfg.output.dir), 0
         generates, trains = self.role != "trainer", self.role != "rollout"
-        # One rank writes the run's files: the first rank that trains.
-        self.writes_output = self.rank == 0 and trains
+        self.writes_output = self.rank == 0 and trains  # one rank writes the run's files: the first that trains
 
-        self.encoder = PromptEncoder.for_config(cfg)
-        tokenizer = self.encoder.tokenizer
-        self.stop_ids = stop_ids = stop_token_ids(tokenizer)
-        self.bad_input = BadInput(cfg.data.on_bad_sample, self.rank, self.world_size, columns_from(cfg.data),
-                                  media_from(cfg.data))
-        self.train_rows = self.bad_input.load(cfg.data.train_path)
-        eval_rows = self.bad_input.load(cfg.data.eval_path)[: cfg.eval.max_prompts] if cfg.data.eval_path else []
-        self.eval_sources = sorted({row["data_source"] for row in eval_rows})
-        mine = [(r, i) for i, r in enumerate(eval_rows) if i % self.world_size == self.rank and generates]
-        self.eval_prompts = self.bad_input.encode_at_start(self.encoder, mine)
-        self.ptx = None
-        if cfg.data.ptx_path and trains:
-            self.ptx = PtxStream(
-                cfg.data.ptx_path, self.encoder, cfg.data.ptx_rows_per_step, self.rank, self.world_size, stop_ids[0],
-                self.bad_input,
-            )
-
-        attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
-        precision = (attention, cfg.model.compute_dtype)
-        if self.rank == 0:
-            print(f"vlrft: attention {attention}, decoder compute {cfg.model.compute_dtype} (model.attention, model.compute_dtype)")
-        self.lora_scalings: dict[str, float] = {}  # adapted linear -> alpha / rank; empty = full fine-tuning
-        self.frozen_vision_parameters = 0
-        self.backend = self.critic = self.reference = None
-        if trains:
-            self._build_models(precision)
-        else:  # the engine holds the rollout ranks' only copy of the policy
-            self.image_check = ImageTokenCheck.for_model(AutoConfig.from_pretrained(cfg.model.path))
-        # Last of the models: vLLM starts only if its share of the GPU is still free. It reseeds
-        # every generator as it starts (seed + TP group): this rank keeps its own streams.
-        streams = rng_state()
-        self.engine = ENGINES.get(cfg.rollout.engine)(cfg, tokenizer, stop_ids, banned_token_ids(tokenizer)) if generates else None
-        if self.role == "trainer":  # its "engine" is the rollout ranks, reached by broadcast
-            self.engine = RolloutRanks(self.weights, WEIGHTS_SOURCE, self.rank == 0, self._evaluated_weights,
-                                       self.policy_weights)
-        set_rng_state(streams)
-        self.kl_controller = kl_controller(cfg)
-        self.return_stats = None
-        if cfg.critic.value_norm != "none":
-            self.return_stats = ReturnStats(cfg.critic.value_norm, cfg.critic.value_norm_beta)
-        self.rewards = RewardMix(cfg.reward)
-        self.train_sources = sorted({row["data_source"] for row in self.train_rows})
-        self.maker = FastExperienceMaker(
-            engine=self.engine,
-            policy=lambda: self.backend.model,  # (rollout ranks never call these)
-            reference=self.reference,
-            rewards=self.rewards,
-            shape_rewards=reward_shaper(cfg),
-            # Environments run where trajectories are generated: not on an async run's trainers.
-            settings=maker_settings(cfg, self.kl_controller, self.image_check,
-                                    multi_turn(cfg, self.encoder, stop_ids) if generates else None),
-            critic=(lambda: self.critic.model) if self.critic is not None else None,
-            return_stats=self.return_stats,
-        )
+        data = setup_data(cfg, self.rank, self.world_size, generates, trains)
+        self.encoder, self.stop_ids, self.bad_input, self.ptx = data.encoder, data.stop_ids, data.bad_input, data.ptx
+        self.train_rows, self.train_sources, self.sampler = data.train_rows, data.train_sources, data.sampler
+        self.eval_sources, self.eval_prompts = data.eval_sources, data.eval_prompts
+        self.models = setup_models(cfg, self.rank, trains, data)
+        self.engine = setup_engine(cfg, process, data, self._evaluated_weights, self.policy_weights)
+        self.kl_controller, self.return_stats, self.rewards = setup_rewards(cfg)
+        self.maker = setup_maker(cfg, self.engine, self.models, self.rewards, self.kl_controller, self.return_stats,
+                                 data, generates)
         self.update_settings = update_settings(cfg)
-        # The weight-sync probe needs the engine beside the policy: off on the roles of async training.
-        checked_engine = self.engine if self.role == "both" else None
-        self.guards = RunGuards(cfg.guards, checked_engine, cfg.rollout.engine, self.rewards.component_names(), self.rank)
-        # Policy EMA for evaluation and export: full tensors on CPU, by HF parameter name (on
-        # the ranks that train; an async run's trainers send it to the rollout ranks to evaluate).
-        self.policy_ema = None
-        if cfg.train.ema_beta > 0 and trains:
-            self.policy_ema = {n: t.detach().float().cpu().clone() for n, t in self.policy_weights()}
-        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank, share_prompts=cfg.train.share_prompts)
-        self.sampler = PromptSampler(
-            len(self.train_rows), cfg.rollout.rollout_prompts, self.rank, self.world_size, cfg.train.seed
-        )
-        sinks = []
-        if self.writes_output:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            sinks = [ConsoleSink(cfg.train.total_steps, start_step), JsonlSink(self.out_dir / "metrics.jsonl")]
-            sinks += configured_sinks(cfg.logging, self.out_dir, to_dict(cfg), start_step)
-        self.logger = MetricsLogger(sinks)
-        self.saver = TrajectorySaver(self.out_dir, self.rank, tokenizer, cfg.trajectory.save_every)
+        self.guards = setup_guards(cfg, self.engine, process, self.rewards)
+        self.policy_ema = setup_policy_ema(cfg, trains, self.policy_weights)
+        self.buffer = ReplayBuffer(cfg.train.micro_batch_tokens, seed=cfg.train.seed + self.rank,
+                                   share_prompts=cfg.train.share_prompts)
+        self.logger, self.saver = setup_logging(cfg, self.out_dir, self.writes_output, process.start_step, self.rank,
+                                                self.encoder.tokenizer)
         self.eval_history: list[tuple[int, float]] = []
         self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
         # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops
@@ -200,57 +86,23 @@ class SPMDTrainer:
         self.stop_signal: int | None = None
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
+        if process.resume_from is not None:
+            self.load_checkpoint(process.resume_from)
 
-    def _build_models(self, precision: tuple[str, str]) -> None:
-        """The policy under DeepSpeed, its critic and reference (every rank that trains)."""
-        cfg = self.cfg
-        policy = load_model(cfg.model.path, *precision)
-        if cfg.algo.moe_aux_coef > 0 and not hasattr(policy.config.get_text_config(), "output_router_logits"):
-            raise ConfigError(
-                f"config key 'algo.moe_aux_coef' needs a mixture-of-experts model; {cfg.model.path} has no router"
-            )
-        if cfg.model.lora.rank > 0:
-            lora = cfg.model.lora
-            try:
-                self.lora_scalings = add_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-        critic = load_value_model(cfg.critic.path or cfg.model.path, *precision) if cfg.critic.enabled else None
-        if cfg.model.gradient_checkpointing:
-            enable_gradient_checkpointing(policy)
-            if critic is not None:
-                enable_gradient_checkpointing(critic.backbone)
-        if cfg.model.freeze_vision:
-            if vision_tower(policy) is None:
-                raise ConfigError(f"config key 'model.freeze_vision': {cfg.model.path} has no vision tower")
-            self.frozen_vision_parameters = freeze_vision_tower(policy)
-            if critic is not None:
-                freeze_vision_tower(critic.backbone)
-            if self.rank == 0:
-                print(f"vlrft: froze {self.frozen_vision_parameters} vision-tower parameters (model.freeze_vision)")
-        if self.rank == 0 and self.lora_scalings:
-            trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-            total = sum(p.numel() for p in policy.parameters())
-            print(f"vlrft: LoRA on {len(self.lora_scalings)} layers: {trainable} of {total} parameters train (model.lora)")
-        self.image_check = ImageTokenCheck.for_model(policy.config)  # None for text models
-        groups = optimizer_groups(policy, cfg.train.lr, cfg.model.lora.lr_ratio) if self.lora_scalings else None
-        self.backend = training_backend(cfg, policy, cfg.train.lr, groups)
-        self.critic = training_backend(cfg, critic, cfg.critic.lr) if critic is not None else None
-        if cfg.algo.kl.coef > 0:
-            # A LoRA policy's reference is its own base weights (adapters off): no second copy.
-            self.reference = BaseModelView(self.backend.module) if self.lora_scalings else load_reference(cfg, precision)
-        ptx_modalities = self.ptx.modalities if self.ptx else set()
-        self.declare_vision_modalities(data_modalities(self.train_rows, ptx_modalities, shows_images(cfg.rollout.environment)))
+    # The models the trainer holds (trainer/models_setup.py: Models), by the names the loop,
+    # checkpoints and the step API use; read-only, the holder owns them. None where this rank
+    # holds no such model (an async run's rollout ranks hold none).
+    backend = property(lambda self: self.models.policy)  # the policy under its training backend
+    critic = property(lambda self: self.models.critic)  # the value model under its own backend
+    reference = property(lambda self: self.models.reference)  # the frozen policy of the KL
+    lora_scalings = property(lambda self: self.models.lora_scalings)  # empty: full fine-tuning
+    frozen_vision_parameters = property(lambda self: self.models.frozen_vision_parameters)
+    image_check = property(lambda self: self.models.image_check)  # None for a text policy
 
     def declare_vision_modalities(self, modalities: set[str]) -> None:
         """A vision-language policy's tower runs for the modalities some rank's data holds, on
         every model that calls it (trainer/vision_modalities.py). A collective of the ranks that train."""
-        if self.image_check is not None:  # (None: a text policy)
-            backbones = [self.backend.module.model, self.critic.module.backbone if self.critic is not None else None,
-                         getattr(self.reference, "model", None)]
-            agree_modalities([b for b in backbones if b is not None], modalities, self.rank == 0)
+        declare_modalities(self.models, modalities, self.rank == 0)
 
     def train(self) -> list[tuple[int, float]]:
         cfg = self.cfg
@@ -338,6 +190,7 @@ class SPMDTrainer:
             self.kl_controller.update(metrics["rollout/kl"], int(metrics["rollout/sequences"]))
         metrics["perf/experience_seconds"] = made - start
         metrics["perf/step_seconds"] = time.perf_counter() - start
+        metrics |= self.guards.after_learning(self.global_step, metrics)  # collapse and plateau
         return metrics
 
     def make_experiences(self, kept: list[Experience], generated: list[Experience], metrics: dict) -> list[Experience]:
@@ -479,6 +332,8 @@ class SPMDTrainer:
         return evaluate(self.engine, self.eval_prompts, self.rewards, self.maker.settings, self.eval_sources)
 
     def _check_rewards_not_all_zero(self, experiences: list[Experience]) -> None:
+        if not self.rewards.component_names():  # pure distillation: no recipe, every reward is 0
+            return
         # A dense-only mix scores through dense_reward: any non-zero token reward counts.
         nonzero, count = all_reduce_sum(
             torch.tensor([float(sum(e.reward != 0 or any(e.dense_reward or []) for e in experiences)), len(experiences)])

@@ -3,6 +3,7 @@ optimizer steps, with micro-batch accumulation inside each step."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,12 +11,15 @@ import torch
 from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
 from vlrft.algo.correction import correction_weights
+from vlrft.algo.cov_control import kl_cov_terms
+from vlrft.algo.distill import distill_loss_terms
 from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.experience.maker import CorrectionSettings
 from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
+from vlrft.metrics.flops import FlopCount, throughput_metrics
 from vlrft.models.packing import micro_batches
 from vlrft.models.forward import policy_forward
 from vlrft.distributed import all_gather_1d, all_reduce_sum, device, rank, world_size
@@ -45,6 +49,9 @@ class UpdateSettings:
     early_stop_ratio: float = 0.0  # algo.early_stop_ratio
     target_kl: float = 0.0  # algo.target_kl
     value_clip: float = 0.2  # critic.value_clip
+    distill_loss_coef: float = 0.0  # algo.distill.coef with a teacher and algo.distill.mode loss; else 0
+    kl_cov_ratio: float = 0.0  # algo.kl_cov_ratio
+    kl_cov_coef: float = 1.0  # algo.kl_cov_coef
 
     @property
     def needs_entropy(self) -> bool:
@@ -52,7 +59,7 @@ class UpdateSettings:
 
 
 # The per-step sums the policy update all-reduces in one collective, by metric name.
-POLICY_SUMS = ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "ptx_nll", "moe_aux_loss")
+POLICY_SUMS = ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "ptx_nll", "moe_aux_loss", "model_flops", "tokens")
 
 
 def all_reduce_named(sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -184,6 +191,7 @@ def policy_update(
     optimizer step per batch) the forward here fills each sample's old logprobs and entropy."""
     metrics: dict[str, float] = {}
     epochs_run = skipped = nonfinite = steps = 0
+    started, counter, work = time.perf_counter(), FlopCount.of(backend.module), {"model_flops": 0.0, "tokens": 0.0}
     extra, ptx_tokens = ptx_batches(list(ptx), settings.micro_batch_tokens)  # the same in every step
     for epoch in range(settings.epochs):
         mini_batches = []
@@ -199,8 +207,10 @@ def policy_update(
         for batches in mini_batches:
             if not batches:
                 continue
-            step_metrics = _one_step(backend, batches, extra, ptx_tokens, settings, kl_coef, reference, old_from_update)
+            step_metrics = _one_step(backend, batches, extra, ptx_tokens, settings, kl_coef, reference, old_from_update, counter)
             nonfinite += 0 if step_metrics else 1  # a skipped step has no loss metrics
+            for name in work:
+                work[name] += step_metrics.pop(name, 0.0)
             metrics |= step_metrics
             steps += 1
         epochs_run += any(mini_batches)
@@ -208,7 +218,15 @@ def policy_update(
     metrics["train/optimizer_steps"] = float(steps)
     metrics["train/skipped_micro_batches"] = float(skipped)
     metrics["train/skipped_nonfinite_steps"] = float(nonfinite)
-    return metrics
+    return metrics | update_throughput(work["model_flops"], work["tokens"], started)
+
+
+def update_throughput(flops: float, tokens: float, started: float) -> dict[str, float]:
+    """Tokens per second per GPU and MFU of the update (metrics/flops.py), on CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()  # the update's kernels finished, not only launched
+    return throughput_metrics(flops, tokens, time.perf_counter() - started, world_size(), torch.cuda.get_device_name())
 
 
 def behaviour_rows(samples: list, old: torch.Tensor) -> torch.Tensor:
@@ -219,9 +237,11 @@ def behaviour_rows(samples: list, old: torch.Tensor) -> torch.Tensor:
     return torch.where(reported[:, None], engine, old)
 
 
-def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_coef, reference, old_from_update) -> dict[str, float]:
+def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_coef, reference, old_from_update,
+              counter: FlopCount) -> dict[str, float]:
     """One optimizer step over the micro-batches; its metrics, or {} when it was skipped for a
-    non-finite loss. `old_from_update`: the old logprobs are this forward's own, detached."""
+    non-finite loss. `old_from_update`: the old logprobs are this forward's own, detached.
+    `counter` counts the step's model FLOPs and tokens (all ranks: `model_flops`, `tokens`)."""
     temperature = settings.temperature
     kl_in_loss = kl_coef > 0 and settings.kl_in_loss
     full = settings.kl_estimator == FULL_KL
@@ -230,10 +250,12 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
     work = [(False, b) for b in batches] + [(True, b) for b in ptx]
     here = device()  # the loss and its sums stay on the rank's device
     step_loss = torch.zeros(1, device=here)  # sum of micro-batch shares = this step's loss
-    sums = {name: torch.zeros((), device=here) for name in POLICY_SUMS}  # token sums, except the last two
+    sums = {name: torch.zeros((), device=here) for name in POLICY_SUMS}  # token sums, except ptx_nll, moe_aux_loss and the work counts
     nonfinite = 0  # micro-batches of this step whose loss was NaN or infinite
     for i, (is_ptx, batch) in enumerate(work):
         mask = loss_mask(batch, here)  # [S, R] the loss layout: a row per sample, responses left-aligned
+        sums["model_flops"] += counter.micro_batch(batch)
+        sums["tokens"] += batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -273,6 +295,9 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
                 valid = all_gather_1d(entropy.detach()[mask.bool()])
                 pg = pg * high_entropy_mask(entropy, entropy_threshold(valid, settings.high_entropy_token_ratio))
             token_loss = pg - settings.entropy_coef * entropy
+            if settings.kl_cov_ratio > 0:  # KL-Cov entropy control (algo/cov_control.py)
+                token_loss = token_loss + kl_cov_terms(logp, old, adv, mask, settings.kl_cov_ratio, settings.kl_cov_coef,
+                                                       all_gather_1d)
             kl = torch.zeros_like(pg)
             if kl_in_loss:
                 if full:
@@ -282,6 +307,9 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
                 else:
                     kl = KL_ESTIMATORS.get(settings.kl_estimator)(logp, sample_rows(batch, "ref_logprobs", here))  # [S, R]
                 token_loss = token_loss + kl_coef * kl
+            if settings.distill_loss_coef > 0:  # on-policy distillation as a loss term (algo/distill.py)
+                teacher = sample_rows(batch, "teacher_logprobs", here)  # [S, R]
+                token_loss = token_loss + distill_loss_terms(logp, teacher, settings.distill_loss_coef)
             loss = aggregate(token_loss, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens)
             if out.aux_loss is not None:
                 # The router loss is per forward: weight it by this micro-batch's token share.
@@ -306,6 +334,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
         "train/clip_frac": totals["clip_frac"] / tokens,
         "train/ratio_mean": totals["ratio_mean"] / tokens,
         "train/grad_norm": grad_norm,
+        "model_flops": totals["model_flops"],  # summed over the steps by policy_update
+        "tokens": totals["tokens"],
     }
     if kl_in_loss:
         metrics["train/kl"] = totals["kl"] / tokens

@@ -105,3 +105,21 @@ class MemoryWatch:
         slope = growth_slope(list(self.values))
         self.values.clear()
         return slope
+
+
+class CompileWatch:
+    """torch.compile's compilations step by step (`perf/compiles`). The first steps compile
+    (the first shapes, the switch to symbolic lengths, the no-grad passes); compiling again at
+    every one of `patience` steps in a row means a guard fails every time (a shape or Python
+    value the compiled code depends on changes each step): each recompile costs seconds, and
+    past torch's recompile limit the layer silently runs eagerly."""
+
+    def __init__(self, frames: int, patience: int = 5):
+        self.frames, self.patience, self.streak = frames, patience, 0
+
+    def update(self, frames: int) -> tuple[int, bool]:
+        """Record the process's compiled-frame count after a step: (frames compiled during the
+        step, whether this step completes a streak of `patience` compiling steps)."""
+        new, self.frames = frames - self.frames, frames
+        self.streak = self.streak + 1 if new else 0
+        return new, self.streak == self.patience

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from vlrft import progress
+from vlrft import progress, rank_watch
 from vlrft.distributed import (
     EMA_HEADER,
     broadcast_weights,
@@ -54,6 +54,7 @@ def take_async_role(rollout_ranks: int, each_rank_on_its_own: bool) -> tuple[str
     rollouts, trainers = role_ranks(rollout_ranks, global_world_size())
     me = global_rank()
     role = "rollout" if me in rollouts else "trainer"
+    rank_watch.name_roles({r: "rollout" for r in rollouts} | {t: "trainer" for t in trainers})
     take_role(rollouts if role == "rollout" else trainers, [rollouts, trainers])
     deliveries = [[r] for r in rollouts] if each_rank_on_its_own else [rollouts]
     groups = new_groups([[trainers[0], *delivery] for delivery in deliveries])

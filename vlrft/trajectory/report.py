@@ -23,6 +23,8 @@ from vlrft.trajectory.svg import esc, histogram, line_chart
 
 DEFAULT_TOP_K = 3
 HISTOGRAM_BINS = 20
+# The overview's statistics tables side by side at most; fewer where the page is narrow.
+STAT_COLUMNS = 3
 # A run of one repeated special token (an expanded <|image_pad|>) is shown once with a count.
 REPEATED_SPECIAL_TOKEN = re.compile(r"(<\|[A-Za-z0-9_]+\|>)\1+")
 HOT_CLASS = ' class="hot"'
@@ -41,10 +43,12 @@ section { background: var(--card); border: 1px solid var(--line); border-radius:
 h2 { font-size: 18px; border-bottom: 1px solid var(--line); padding-bottom: 6px; }
 h3 { font-size: 15px; margin: 18px 0 8px; }
 table { border-collapse: collapse; margin: 6px 0; }
-th, td { text-align: left; padding: 3px 12px 3px 0; border-bottom: 1px solid #eef0f2; vertical-align: top; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.stat-columns { columns: 3 300px; column-gap: 32px; }
-.stat-columns table { width: 100%; }
+th, td { text-align: left; padding: 3px 12px 3px 0; border-bottom: 1px solid #eef0f2; vertical-align: top;
+         overflow-wrap: anywhere; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; overflow-wrap: normal; }
+.stat-columns { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 260px), 1fr));
+                column-gap: 32px; align-items: start; }
+.stat-columns table { width: 100%; margin: 0; }
 .charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: 14px; }
 svg.chart { max-width: 100%; height: auto; background: #fff; }
 .controls { margin: 8px 0 4px; display: flex; gap: 18px; }
@@ -155,8 +159,20 @@ def keys_like(step_stats: dict[int, dict], prefix: str, suffix: str) -> dict[str
 
 
 def stats_table(stats: dict[str, float]) -> str:
-    rows = "".join(f'<tr><th>{esc(k)}</th><td class="num">{esc(number(v))}</td></tr>' for k, v in stats.items())
+    # <wbr> after each "/": a long metric name wraps at its path separators first.
+    rows = "".join(f'<tr><th>{esc(k).replace("/", "/<wbr>")}</th><td class="num">{esc(number(v))}</td></tr>'
+                   for k, v in stats.items())
     return f"<table>{rows}</table>"
+
+
+def stat_columns(stats: dict[str, float]) -> str:
+    """`stats` as up to STAT_COLUMNS tables side by side, read top to bottom then left to right.
+    Each column is a table of its own in a grid cell: one table flowed through CSS columns
+    ran its rows past the column when a name was long, values under the next column's names."""
+    items = list(stats.items())
+    per_column = max(1, math.ceil(len(items) / STAT_COLUMNS))
+    tables = "".join(stats_table(dict(items[i:i + per_column])) for i in range(0, len(items), per_column))
+    return f'<div class="stat-columns">{tables}</div>'
 
 
 def overview_section(run_dir: Path, records_by_step: dict[int, list[dict]], summary: dict) -> str:
@@ -169,10 +185,10 @@ def overview_section(run_dir: Path, records_by_step: dict[int, list[dict]], summ
              "data sources": ", ".join(sources)}
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
     metrics = (f'<h3>Last logged metrics (metrics.jsonl)</h3>'
-               f'<div class="stat-columns">{stats_table(summary["metrics"])}</div>'
+               f'{stat_columns(summary["metrics"])}'
                if summary["metrics"] else '<p class="muted">No metrics.jsonl in this run directory.</p>')
     return (f'<section id="overview"><h2>Overview</h2><table>{rows}</table><h3>All saved samples</h3>'
-            f'<div class="stat-columns">{stats_table(summary["overall"])}</div>{metrics}</section>')
+            f'{stat_columns(summary["overall"])}{metrics}</section>')
 
 
 def curves_section(step_stats: dict[int, dict], metrics: list[dict]) -> str:

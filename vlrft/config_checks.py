@@ -149,8 +149,16 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key 'guards.{key}' must be >= 0 (0 = off), got {getattr(cfg.guards, key)}")
     if cfg.guards.collapse_window < 1:
         raise ConfigError(f"config key 'guards.collapse_window' must be >= 1, got {cfg.guards.collapse_window}")
-    if cfg.guards.on_collapse not in ("warn", "stop"):
-        raise ConfigError(f"config key 'guards.on_collapse' is '{cfg.guards.on_collapse}'; valid: warn, stop")
+    if cfg.guards.on_collapse not in ("warn", "stop", "rollback"):
+        raise ConfigError(f"config key 'guards.on_collapse' is '{cfg.guards.on_collapse}'; valid: warn, stop, rollback")
+    if not 0 < cfg.guards.rollback_lr_factor <= 1:
+        raise ConfigError(f"config key 'guards.rollback_lr_factor' must be in (0, 1], got {cfg.guards.rollback_lr_factor}")
+    if cfg.guards.on_collapse == "rollback" and cfg.checkpoint.save_steps == 0:
+        raise ConfigError("config key 'guards.on_collapse' is 'rollback', which restores a checkpoint from before "
+                          "the fall: set checkpoint.save_steps > 0")
+    if cfg.guards.on_collapse == "rollback" and cfg.train.mode != "sync":
+        raise ConfigError("config key 'guards.on_collapse' is 'rollback', which train.mode: async does not support "
+                          "(the rollout ranks' weight versions would have to go back too): warn or stop")
     if cfg.trajectory.save_every < 0:
         raise ConfigError(f"config key 'trajectory.save_every' must be >= 0 (0 = off), got {cfg.trajectory.save_every}")
     if not 0 < cfg.rollout.vllm_memory_fraction <= 1:

@@ -30,10 +30,13 @@ class GuardsConfig:
     stall_timeout_s: float = 1800.0
     # Collapse (trainer/run_health.py): rollout/accuracy fell by this share of its peak of the
     # last collapse_window steps, with the entropy or length doubling/halving or another reward
-    # component falling as well: warn, or stop (on_collapse) with one line naming the cause.
+    # component falling as well: warn, stop (on_collapse) with one line naming the cause, or
+    # rollback: restore the policy of the newest checkpoint before the fall and go on with the
+    # learning rate times rollback_lr_factor (trainer/rollback.py).
     collapse_drop: float = 0.3
     collapse_window: int = 5
-    on_collapse: str = "warn"  # warn | stop
+    on_collapse: str = "warn"  # warn | stop | rollback
+    rollback_lr_factor: float = 0.5
     # Plateau: no new best rollout/accuracy (by more than plateau_tolerance) for this many steps
     # below 0.95, named with or without a signal (groups whose rewards differ).
     plateau_patience: int = 40

@@ -5,5 +5,5 @@
 # Extra arguments are config overrides, e.g. train.total_steps=10.
 here=$(dirname "$0")
 exec bash "$here/../launch.sh" vl bigger "$here/../color_shapes/config.yaml" \
-    data.train_path=../../artifacts/bigger/train.jsonl data.eval_path=../../artifacts/bigger/test.jsonl \
-    output.dir=../../runs/bigger train.total_steps=150 "$@"
+    data.train_path=artifacts/bigger/train.jsonl data.eval_path=artifacts/bigger/test.jsonl \
+    output.dir=runs/bigger train.total_steps=150 "$@"

@@ -26,4 +26,4 @@ model=artifacts/tiny-$kind data=artifacts/$task teacher=artifacts/teacher-$task
 runs=runs/distill/$task-seed$seed
 bash examples/launch.sh "$kind" "$task" "examples/distill/$config" train.seed="$seed" output.dir="$runs/distill" "$@"
 bash examples/launch.sh "$kind" "$task" "$grpo" train.seed="$seed" output.dir="$runs/grpo" eval.every_steps=5
-python examples/distill/compare_curves.py "$runs/distill/metrics.jsonl" "$runs/grpo/metrics.jsonl"
+python -m data_tools.compare_curves "$runs/distill/metrics.jsonl" "$runs/grpo/metrics.jsonl"

@@ -5,5 +5,5 @@
 # Extra arguments are config overrides, e.g. train.total_steps=10.
 here=$(dirname "$0")
 exec bash "$here/../launch.sh" vl left_right "$here/../color_shapes/config.yaml" \
-    data.train_path=../../artifacts/left_right/train.jsonl data.eval_path=../../artifacts/left_right/test.jsonl \
-    output.dir=../../runs/left_right train.total_steps=150 "$@"
+    data.train_path=artifacts/left_right/train.jsonl data.eval_path=artifacts/left_right/test.jsonl \
+    output.dir=runs/left_right train.total_steps=150 "$@"

@@ -20,6 +20,7 @@ from vlrft.algo.kl import FixedKLController
 from vlrft.config import ConfigError, load_config, to_dict
 from vlrft.trainer.checkpoint import discard_after, resume_decision, rng_state
 from vlrft.trainer.checkpoint_io import load_checkpoint
+from vlrft.trainer.rollback import Rollbacks
 
 BASE = ["model.path=m", "data.train_path=t.jsonl", "reward.default=[{recipe: exact_match}]"]
 TAMPERED = "(not written by vlrft, or tampered with)"
@@ -198,12 +199,12 @@ def fake_trainer(policy_ema: dict) -> SimpleNamespace:
     (test doubles for the backend, the engine and the bookkeeping)."""
     return SimpleNamespace(
         rank=0, role="both", global_step=0, cfg=SimpleNamespace(train=SimpleNamespace(mode="sync")),
-        backend=SimpleNamespace(load_checkpoint=lambda path: None), critic=None, reference=None,
+        backend=SimpleNamespace(load_checkpoint=lambda path, schedule=True: None), critic=None, reference=None,
         kl_controller=FixedKLController(0.1), return_stats=None, policy_ema=policy_ema, eval_history=[],
         zero_reward_watch=SimpleNamespace(streak=0), sampler=SimpleNamespace(consumed=0),
         bad_input=SimpleNamespace(dropped_rows=set()), ptx=None, buffer=SimpleNamespace(generator=torch.Generator()),
         engine=SimpleNamespace(update_weights=lambda weights: None, resume_at=lambda step: None),
-        policy_weights=lambda: [],
+        policy_weights=lambda: [], rollbacks=Rollbacks(),
     )
 
 

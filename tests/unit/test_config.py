@@ -125,6 +125,12 @@ INVALID = {
     "zero sampling rounds": (["rollout.max_sampling_rounds=0"], "'rollout.max_sampling_rounds' must be >= 1"),
     "no video frames": (["data.max_frames=0"], "'data.max_frames' must be >= 1"),
     "video frames under the image floor": (["data.video_max_pixels=100"], "'data.min_pixels' must be <= 'data.video_max_pixels'"),
+    "rollback without checkpoints": (["guards.on_collapse=rollback", "checkpoint.save_steps=0"],
+                                     "restores a checkpoint from before the fall: set checkpoint.save_steps > 0"),
+    "rollback in async mode": (["guards.on_collapse=rollback", "train.mode=async", "rollout.ranks=1"],
+                               "which train.mode: async does not support"),
+    "rollback factor of zero": (["guards.rollback_lr_factor=0"], "'guards.rollback_lr_factor' must be in \\(0, 1\\]"),
+    "unknown collapse action": (["guards.on_collapse=restart"], "valid: warn, stop, rollback"),
 }
 
 

@@ -44,3 +44,7 @@ def test_launch_scripts_parse_and_name_existing_files(script):
         assert (script.parent / default).is_file(), f"{script.name} defaults to missing {default}"
     for named in re.findall(r"examples/[\w/]+\.(?:sbatch|sh|py)", text):
         assert (EXAMPLES.parent / named).is_file(), f"{script.name} names missing {named}"
+    # Overrides on a command line are relative to where it runs (examples/launch.sh: the
+    # repository's root), not to the config file: a path there that climbs out is a mistake.
+    for key, value in re.findall(r"\b((?:data\.\w+_path|output\.dir|model\.path|teacher\.path))=(\S+)", text):
+        assert not value.startswith("../"), f"{script.name}: {key}={value} leaves the repository from its root"

@@ -24,7 +24,8 @@ from PIL import Image
 from vlrft.config import ConfigError, load_config
 from vlrft.data.dataset import DataError, load_rows
 from vlrft.data.encoding import PromptEncoder
-from vlrft.data.images import IMAGE_FORMATS, MAX_JPEG_SCANS, jpeg_scans, load_rgb_image
+from vlrft.data.image_headers import MAX_JPEG_SCANS, jpeg_without_metadata
+from vlrft.data.images import IMAGE_FORMATS, load_rgb_image
 from vlrft.data.video_file import CAPTURE_OPTIONS, CAPTURE_OPTIONS_VARIABLE, decode_video_file
 
 
@@ -127,26 +128,29 @@ def progressive_jpeg(scans: int) -> bytes:
             if data[i + 4 + length - 5] > 0:  # spectral start above 0: an AC scan
                 found.append(data[i:end])
         i = end
-    base = jpeg_scans(io.BytesIO(data))
+    base = data.count(b"\xff\xda")
     return data[:-2] + min(found, key=len) * (scans - base) + b"\xff\xd9"
 
 
 def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     at_limit, over = progressive_jpeg(MAX_JPEG_SCANS), progressive_jpeg(MAX_JPEG_SCANS + 1)
-    assert jpeg_scans(io.BytesIO(at_limit)) == MAX_JPEG_SCANS and len(over) < 10_000
+    assert at_limit.count(b"\xff\xda") == MAX_JPEG_SCANS and len(over) < 10_000
     assert load_rgb_image(io.BytesIO(at_limit)).size == (64, 64)
-    with pytest.raises(ValueError, match=f"^a JPEG of {MAX_JPEG_SCANS + 1} scans, over {MAX_JPEG_SCANS}; "
-                                         "refused before decoding$"):
+    with pytest.raises(ValueError, match=f"^a JPEG of more than {MAX_JPEG_SCANS} scans, each a pass over the whole "
+                                         "image; refused before decoding$"):
         load_rgb_image(io.BytesIO(over))
 
 
-def test_counting_scans_keeps_the_files_position_and_finds_a_marker_split_between_reads(monkeypatch):
-    from vlrft.data import images
-
-    monkeypatch.setattr(images, "_READ_BYTES", 3)  # FF at the end of one read, DA at the start of the next
-    stream = io.BytesIO(b"\xff\xd8\xff\xda\x00\xff\xda\xff")
-    stream.seek(5)
-    assert jpeg_scans(stream) == 2 and stream.tell() == 5
+def test_scans_are_counted_between_the_first_scan_and_the_end_marker():
+    """Scan markers in metadata (an ICC profile's bytes) or after the image (a motion photo's
+    video) are not scans: the walk skips segments by their length and stops at the end marker."""
+    picture = progressive_jpeg(MAX_JPEG_SCANS)
+    fake_scans = b"\xff\xda" * 1000
+    app2 = b"\xff\xe2" + (len(fake_scans) + 2).to_bytes(2, "big") + fake_scans  # an APP2 segment full of FF DA
+    photo = picture[:2] + app2 + picture[2:] + fake_scans * 7  # and a trailer after the end marker
+    kept, _ = jpeg_without_metadata(photo)
+    assert kept.count(b"\xff\xda") == MAX_JPEG_SCANS and kept.endswith(b"\xff\xd9") and len(kept) <= len(picture)
+    assert load_rgb_image(io.BytesIO(photo)).tobytes() == load_rgb_image(io.BytesIO(picture)).tobytes()
 
 
 # ---- video files: the FFmpeg restriction, with an in-process double

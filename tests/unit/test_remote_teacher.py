@@ -99,7 +99,10 @@ def test_a_remote_teacher_gives_the_local_teachers_rows_and_metrics(tiny_vl, col
     # --max-items 4, --max-tokens 400: the step takes several requests, some prompts in two of them
     with served(tiny_vl, limits=Limits(max_items=4), max_tokens=400) as (url, server):
         remote = connect(remote_config(student_path, colour_data, url))
-        assert len(logprob_requests(rollouts, TEMPERATURE, MIN_PIXELS, MAX_PIXELS, remote.limits)) >= 3
+        requests = logprob_requests(rollouts, TEMPERATURE, MIN_PIXELS, MAX_PIXELS, remote.limits)
+        assert len(requests) >= 3
+        for body, indices in requests:  # each within --max-tokens, a prompt counted with each of its samples
+            assert sum(len(rollouts[i].prompt.prompt_ids) + len(rollouts[i].response_ids) for i in indices) <= 400
         for share in (False, True):
             want, got = experience_rows(student, local, rollouts, share), experience_rows(student, remote, rollouts, share)
             assert sum(len(row) for row in got["teacher"]) > 80
@@ -178,6 +181,17 @@ def test_hostile_requests_get_one_json_line_each(tiny_vl, mixed_rollouts):
         assert post(url, changed(**{f"prompts__{image_prompt}__images": [encode_image(larger)]}), "s3cret") == (
             422, f"prompt {image_prompt} has 4 image tokens but its images give 16 (min_pixels, max_pixels as the "
                  "trainer's data.min_pixels, data.max_pixels?)")
+        # One prompt with many short responses: its tokens counted once would be under the limit,
+        # but each micro-batch of its responses packs it again
+        first = good["samples"][0]
+        prompt_tokens = len(good["prompts"][first["prompt"]]["ids"])
+        repeats = 600 // (prompt_tokens + len(first["response_ids"])) + 1
+        listed = sum(len(p["ids"]) for p in good["prompts"]) + repeats * len(first["response_ids"])
+        assert listed <= 600 and repeats * prompt_tokens > 256  # (more than one micro-batch of 256 tokens)
+        many = dict(good, samples=[first] * repeats + good["samples"][1:])
+        forward = sum(len(good["prompts"][x["prompt"]]["ids"]) + len(x["response_ids"]) for x in many["samples"])
+        assert post(url, many, "s3cret") == (413, f"the request's samples hold {forward} tokens with their prompts "
+                                                  "(each counted once a sample), over the limit of 600 (--max-tokens)")
         assert post(url, b'{"samples": [' * 40, "s3cret")[0] == 400
         ids = good["prompts"][image_prompt]["ids"]  # its image's 4 pads as two runs (the count unchanged)
         first = ids.index(server.image_check.image_token_id)

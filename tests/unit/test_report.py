@@ -209,3 +209,36 @@ def test_report_embeds_only_files_of_the_run_directory(tmp_path):
     for path in (outside, Path("/etc/hostname")):  # neither file's bytes, in any form an embed would take
         if path.is_file():
             assert base64.b64encode(path.read_bytes()).decode() not in page
+
+
+def test_guard_events_are_marked_on_every_curve(run_dir):
+    """A collapse, a rollback and a plateau in metrics.jsonl: a dashed line at each step on the
+    report's curves (both groups), with a legend row per kind naming the steps."""
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted({m["step"] for m in metrics})
+    first, last = steps[0], steps[-1]
+    metrics[-1] |= {"guards/collapse": 1, "guards/rollback": 1, "guards/rollback_to_step": first}
+    metrics[0] |= {"guards/plateau": 1, "guards/collapse": 0}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    write_report(run_dir)
+    page = (run_dir / "report.html").read_text()
+    charts = [parsed(svg) for svg in re.findall(r"<svg.*?</svg>", page, flags=re.S)]
+    curves = {c.get("aria-label"): c for c in charts if c.findall("polyline")}
+    assert len(curves) > 8  # the trajectories' curves and the logged metrics'
+    spanning = [c for c in curves.values() if len(c.find("polyline").get("points").split()) == len(steps)]
+    assert {"Reward mean by component", "Accuracy by data source", "rollout/reward_mean", "eval/accuracy"} <= {
+        c.get("aria-label") for c in spanning}
+    for chart in spanning:  # (a curve of fewer steps shows the events within its own)
+        marked = {line.find("title").text: line.get("x1") for line in chart.findall("line[@class='event']")}
+        assert set(marked) == {f"collapse warning at step {last}", f"rolled back at step {last} to the checkpoint of step {first}",
+                               f"plateau warning at step {first}"}
+        assert marked[f"collapse warning at step {last}"] != marked[f"plateau warning at step {first}"]
+        legend = {t.text for t in chart.findall("text")}
+        assert {f"collapse at step {last}", f"plateau at step {first}", f"rollback at step {last}"} <= legend
+
+
+def test_events_outside_a_charts_steps_are_left_out():
+    chart = parsed(line_chart({"a": [(0, 0), (10, 1)]}, "t", "step", "v",
+                              [(5, "collapse", "in"), (50, "collapse", "out"), (5, "unknown", "no colour")]))
+    assert [line.find("title").text for line in chart.findall("line[@class='event']")] == ["in"]
+    assert "collapse at step 5" in {t.text for t in chart.findall("text")}

@@ -2,6 +2,9 @@
 trips at the right step with the right cause, each cause is named, a plateau is named with or
 without a signal, and the colour demo's real stream (GRPO, seed 0, 100 steps) trips nothing."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from vlrft.trainer.run_health import CollapseError, HealthWatch, collapse_of, plateau_of
@@ -88,9 +91,25 @@ def test_each_cause(change, cause):
 
 
 def test_a_fall_without_a_cause_or_too_small_is_noise():
-    assert first_collapse(stream([0.6, 0.7, 0.6, 0.3])) is None  # nothing else changed
+    assert first_collapse(stream([0.6, 0.7, 0.6, 0.3, 0.6])) is None  # one step, nothing else changed
     assert first_collapse(stream([0.3, 0.35, 0.28], entropy=[0.4, 0.4, 1.2])) is None  # 0.07: under MIN_FALL
     assert collapse_of(stream([0.6, 0.7, 0.3], entropy=[0.4, 0.4, 1.2]), 0.0, 5) is None  # collapse_drop 0: off
+
+
+def test_a_fall_that_lasts_without_a_cause_is_an_accuracy_collapse():
+    """examples/bigger, seed 0 (2026-11-28): 0.965 at step 38, 0.467 at step 45, 0.5 for 40
+    steps, the entropy low throughout (0.04-0.05: sure of the other colour), length and format
+    unchanged. Named at its second fallen step; never a plateau (the run had reached 0.95)."""
+    accuracy = [0.5] * 30 + [0.94, 0.957, 0.965, 0.902, 0.959, 0.934, 0.939, 0.947, 0.965, 0.957, 0.891, 0.941, 0.906,
+                             0.912, 0.801, 0.467, 0.607, 0.482] + [0.5] * 60
+    entropy = [0.3] * 30 + [0.05, 0.043, 0.045, 0.037] * 4 + [0.051, 0.042] + [0.045] * 60
+    step, collapse, lines = first_collapse(stream(accuracy, entropy))
+    assert (step, collapse.cause, collapse.started) == (47, "accuracy collapse", 43)  # the window's peak: 0.941, step 42
+    assert collapse.line == ("rollout/accuracy 0.941 -> 0.607; 0.467 at step 46 already; no entropy, length or "
+                             "format change")
+    watch = HealthWatch(0.3, 5, 40, 0.05, "exact_match")
+    lines = [line for m in stream(accuracy, entropy) for line in watch.update(m["step"], m)[0]]
+    assert len(lines) == 1 and "accuracy collapse" in lines[0]  # and no plateau after it
 
 
 def test_one_warning_per_streak_and_stop_raises():
@@ -121,6 +140,7 @@ def test_plateaus_with_and_without_a_signal():
     assert plateau_of(stream(flat[:41]), 40, 0.05) is None  # not 40 steps after the best yet
     assert plateau_of(stream(flat + [0.5]), 40, 0.05) is None  # a new best by more than the tolerance
     assert plateau_of(stream([0.96] * 50), 40, 0.05) is None  # converged, not stuck
+    assert plateau_of(stream([0.5, 0.99] + [0.97, 0.94] * 25), 40, 0.05) is None  # (wavering under 0.95 after it)
     watch = HealthWatch(0.3, 5, 40, 0.05, "exact_match")
     lines = [line for m in stream(flat, no_signal=[0.9] * len(flat)) for line in watch.update(m["step"], m)[0]]
     assert len(lines) == 1 and lines[0].startswith("vlrft: warning: plateau without a signal since step 2:")
@@ -132,3 +152,16 @@ def test_the_demo_run_trips_nothing():
     watch = HealthWatch(0.3, 5, 40, 0.05, "exact_match")
     assert [line for m in metrics for line in watch.update(m["step"], m)[0]] == []
     assert DEMO_ACC[-1] > 0.95 and min(DEMO_ACC[:20]) < 0.3  # it learned, after a flat start of 24 steps
+
+
+def test_todays_demo_recipe_on_eight_runs_trips_nothing():
+    """The demo's recipe since 2026-11-28 (two passes, KL-Cov) on seeds 0-4 and, with staleness
+    1, seeds 0-2 (docs/examples.md, "Across seeds"): healthy runs, one of which converges and
+    then wavers around 0.95 (staleness1-1: 0.99 at step 58, 0.947 at step 100)."""
+    runs = json.loads((Path(__file__).resolve().parents[1] / "data" / "demo_streams.json").read_text())["runs"]
+    assert len(runs) == 8
+    for name, columns in runs.items():
+        metrics = [{"step": i + 1} | {key: values[i] for key, values in columns.items()} for i in range(100)]
+        watch = HealthWatch(0.3, 5, 40, 0.05, "exact_match")
+        assert [line for m in metrics for line in watch.update(m["step"], m)[0]] == [], name
+        assert max(columns["rollout/accuracy"]) > 0.95, name

@@ -34,5 +34,9 @@ class TrainBackend(Protocol):
     def save_checkpoint(self, out_dir: Path) -> None:
         """Model, optimizer and lr-scheduler state as sharded (collective; every rank writes)."""
 
-    def load_checkpoint(self, in_dir: Path) -> None:
-        """Restore what `save_checkpoint` wrote (collective)."""
+    def load_checkpoint(self, in_dir: Path, schedule: bool = True) -> None:
+        """Restore what `save_checkpoint` wrote (collective); `schedule=False` keeps the current
+        learning-rate schedule (a rollback: trainer/rollback.py)."""
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate by `factor` from this step on (every parameter group)."""

@@ -302,12 +302,22 @@ class DeepSpeedBackend:
         """Model, optimizer and lr-scheduler state, sharded as trained (collective)."""
         self.engine.save_checkpoint(str(out_dir), tag=CHECKPOINT_TAG, save_latest=False)
 
-    def load_checkpoint(self, in_dir: Path) -> None:
+    def load_checkpoint(self, in_dir: Path, schedule: bool = True) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(in_dir), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(in_dir), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=schedule
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {in_dir}")
+        if not schedule:  # the optimizer state brought its step's learning rates: the schedule's own, from now on
+            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def scale_lr(self, factor: float) -> None:
+        # The schedule's base rates too: its later steps, and a checkpoint of it, keep the factor.
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        self.scheduler._last_lr = [lr * factor for lr in self.scheduler.get_last_lr()]
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
     def save_hf(self, out_dir: Path) -> None:
         state = self.full_state_dict()

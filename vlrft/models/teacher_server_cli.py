@@ -22,7 +22,7 @@ class TeacherOptions:
     compute_dtype: str = "float32"
     attention: str = "auto"
     micro_batch_tokens: int = 4096  # tokens per forward, and the longest sequence (prompt + response)
-    max_tokens: int = 65536  # tokens per request: prompts (each once) and responses
+    max_tokens: int = 65536  # tokens per request: each sample's prompt and response (the most the forwards hold)
     listen: ListenOptions = field(default_factory=lambda: ListenOptions(port=PORT))
 
     def __post_init__(self):
@@ -44,7 +44,7 @@ def add_teacher_server_flags(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch-tokens", type=int, default=_DEFAULTS.micro_batch_tokens,
         help="tokens per forward (the activations' memory), and the most of one prompt and its response")
     add("--max-tokens", type=int, default=_DEFAULTS.max_tokens,
-        help="most tokens per request: its prompts (each once) and responses")
+        help="most tokens per request: each sample's prompt and response, summed (the most its forwards hold)")
     add_listen_guards(parser, PORT, TOKEN_ENV, "samples")
 
 

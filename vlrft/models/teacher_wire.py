@@ -12,7 +12,10 @@ A prompt is the student's token ids (each image's pads expanded) and the images 
 processor was given, losslessly: the server's processor turns them into the same pixel inputs
 with the same `min_pixels`/`max_pixels` (data.min_pixels, data.max_pixels). A multi-turn
 response carries the images its observations showed (`observation_images`, optional). Each
-prompt is sent once for all the responses to it in a request.
+prompt is sent once for all the responses to it in a request, and counted against the
+token limit once per response: the server packs a prompt again into every micro-batch that holds
+some of its responses, so a request's forward tokens are at most its samples' prompt and
+response tokens summed, never the prompts once.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class RequestLimits:
     """What one request may hold, as the server's GET /health reports it."""
 
     max_items: int  # samples
-    max_tokens: int  # prompt tokens (each prompt once) and response tokens
+    max_tokens: int  # each sample's prompt and response tokens, summed over the samples
     max_body_bytes: int
     max_request_pixels: int  # each image at least MIN_IMAGE_PIXELS
 
@@ -96,7 +99,8 @@ def logprob_requests(rollouts: list[Rollout], temperature: float, min_pixels: in
         sample = {"response_ids": list(rollout.response_ids)}
         if rollout.observation_images:
             sample["observation_images"] = [encode_image(image) for image in rollout.observation_images]
-        sample_cost = (1, len(rollout.response_ids), _pixels(rollout.observation_images), len(json.dumps(sample)) + 16)
+        sample_cost = (1, len(rollout.prompt.prompt_ids) + len(rollout.response_ids), _pixels(rollout.observation_images),
+                       len(json.dumps(sample)) + 16)
         cost = requests[-1].cost_with(prompt, prompt_cost, sample_cost)
         if requests[-1].samples and any(c > cap for c, cap in zip(cost, caps)):
             requests.append(_Request())
@@ -117,7 +121,7 @@ def _first_of_prompt(rollouts: list[Rollout]):
 def _encoded_prompt(rollout: Rollout) -> tuple[str, Cost]:
     prompt = rollout.prompt
     text = json.dumps({"ids": list(prompt.prompt_ids), "images": [encode_image(image) for image in prompt.images]})
-    return text, (0, len(prompt.prompt_ids), _pixels(prompt.images), len(text) + 2)
+    return text, (0, 0, _pixels(prompt.images), len(text) + 2)  # its tokens: counted with each sample
 
 
 def _pixels(images: list) -> int:
@@ -156,8 +160,9 @@ class LogprobsRequest:
 def check_logprobs_request(body, limits: Limits, max_tokens: int, max_sequence_tokens: int,
                            vocab_size: int) -> LogprobsRequest:
     """A parsed /logprobs body as a LogprobsRequest, or Rejected (422 naming the field, 413
-    naming the flag of the limit it is over: `max_tokens` in all, `max_sequence_tokens` a
-    prompt and its response). Images: headers read and checked, none decoded."""
+    naming the flag of the limit it is over: `max_tokens` the samples' prompt and response
+    tokens summed, `max_sequence_tokens` a prompt and its response). Images: headers read and
+    checked, none decoded."""
     _fields(body, REQUEST_KEYS, set(), "body")
     temperature = body["temperature"]
     if not _is_number(temperature) or not 1e-3 <= temperature <= 1e3:
@@ -180,7 +185,7 @@ def check_logprobs_request(body, limits: Limits, max_tokens: int, max_sequence_t
         raise Rejected(413, f"the request holds {tokens} tokens, over the limit of {max_tokens} (--max-tokens)")
     for ids, name in where:
         _check_ids(ids, name, vocab_size, empty=name.endswith("response_ids"))
-    used = set()
+    used, forward = set(), 0
     for i, sample in enumerate(samples):
         if not _is_int(sample["prompt"]) or not 0 <= sample["prompt"] < len(prompts):
             raise Rejected(422, f"sample {i}: 'prompt' must be the index of one of the {len(prompts)} prompts")
@@ -189,6 +194,10 @@ def check_logprobs_request(body, limits: Limits, max_tokens: int, max_sequence_t
         if length > max_sequence_tokens:
             raise Rejected(413, f"sample {i}: its prompt and response hold {length} tokens, over the limit of "
                                 f"{max_sequence_tokens} a sequence (--micro-batch-tokens)")
+        forward += length
+    if forward > max_tokens:  # what the packed forwards may hold: a prompt again in each micro-batch
+        raise Rejected(413, f"the request's samples hold {forward} tokens with their prompts (each counted once a "
+                            f"sample), over the limit of {max_tokens} (--max-tokens)")
     if len(used) < len(prompts):
         raise Rejected(422, f"prompt {min(set(range(len(prompts))) - used)} is the prompt of no sample")
     groups = [(f"prompt {k}", _list(p["images"], f"prompt {k} images")) for k, p in enumerate(prompts)]

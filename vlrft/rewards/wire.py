@@ -12,11 +12,15 @@ from PIL import Image, UnidentifiedImageError
 
 # What a sender may put under "png_base64" (our client sends PNG): the formats data sets' images
 # are read in, one list for both.
-from vlrft.data.images import IMAGE_FORMATS, MAX_JPEG_SCANS, jpeg_scans
+from vlrft.data.image_headers import sanitized
+from vlrft.data.images import IMAGE_FORMATS
 
 # Each image counts at least this many pixels toward a request's pixel limit: a request of
-# thousands of 1x1 images costs memory per image object, not per pixel.
+# thousands of 1x1 images costs memory per image object, not per pixel. Each step of its
+# structure walked (a PNG chunk, a JPEG segment: vlrft.data.image_headers) counts this many
+# more: a small image of 16,000 empty chunks costs its walks, not its pixels.
 MIN_IMAGE_PIXELS = 64 * 64
+STRUCTURE_STEP_PIXELS = 256
 
 
 class WireError(ValueError):
@@ -66,17 +70,20 @@ def check_images(groups: list[tuple[str, list]], max_image_pixels: int | None = 
     """Each (name, encoded images) group's images as CheckedImages, in order: the header of
     each read and checked, none decoded. An image (or all of them together) over a pixel limit
     is refused before any is decoded: a 78 KB PNG can declare a quarter of a gigabyte of
-    pixels. Each image counts at least MIN_IMAGE_PIXELS; its metadata (PNG text chunks, which
-    Pillow inflates as it reads them: up to 64 MiB an image) is dropped as soon as it is read,
-    one image at a time, and a JPEG of more than MAX_JPEG_SCANS scans (each a pass over the
-    whole image) is refused. Errors name the group ("sample 3 image 1")."""
+    pixels. Each image counts at least MIN_IMAGE_PIXELS (and STRUCTURE_STEP_PIXELS a step of
+    its structure), and the request's total is checked at each image. Each image is cut down to
+    its pixels before Pillow opens it (a PNG's metadata chunks, a JPEG's APPn segments left
+    out), and one whose structure would cost too much is refused (vlrft.data.image_headers).
+    Errors name the group and image ("sample 3 image 1")."""
     out, total = [], 0
     for name, images in groups:
-        checked = [_open(img, f"{name} image {k}", max_image_pixels) for k, img in enumerate(images)]
-        total += sum(max(img.width * img.height, MIN_IMAGE_PIXELS) for img in checked)
-        if max_request_pixels is not None and total > max_request_pixels:
-            raise PixelLimitError(f"the request's images hold over {max_request_pixels} pixels "
-                                  f"(--max-request-pixels), {total} by {name}")
+        checked = []
+        for k, image in enumerate(images):
+            checked.append(_open(image, f"{name} image {k}", max_image_pixels))
+            total += checked[-1].cost
+            if max_request_pixels is not None and total > max_request_pixels:
+                raise PixelLimitError(f"the request's images hold over {max_request_pixels} pixels "
+                                      f"(--max-request-pixels), {total} by {name} image {k}")
         out.append(checked)
     return out
 
@@ -115,9 +122,15 @@ class CheckedImage:
     """An image whose header passed the checks: its bytes and size (the parsed image is not
     kept: its metadata, inflated, is dropped with it)."""
 
-    raw: bytes
+    raw: bytes  # cut down to its pixels (image_headers.sanitized)
     width: int
     height: int
+    steps: int = 0  # of its structure, walked
+
+    @property
+    def cost(self) -> int:
+        """What it counts toward a request's pixel limit."""
+        return max(self.width * self.height, MIN_IMAGE_PIXELS) + self.steps * STRUCTURE_STEP_PIXELS
 
 
 def _open(encoded, where: str, max_pixels: int | None) -> CheckedImage:
@@ -126,15 +139,17 @@ def _open(encoded, where: str, max_pixels: int | None) -> CheckedImage:
         raise WireError(f"{where}: must be {{'png_base64': str}}")
     try:
         raw = base64.b64decode(encoded["png_base64"], validate=True)
-    except binascii.Error as err:
+    except (binascii.Error, ValueError) as err:  # (non-ASCII text is a ValueError)
         raise WireError(f"{where}: png_base64 is not valid base64 ({err})") from None
+    try:
+        raw, steps = sanitized(raw)
+    except ValueError as err:  # a structure that would cost more than its pixels
+        raise PixelLimitError(f"{where}: {err}") from None
     with _opened(raw, where) as image:
-        width, height, kind = image.width, image.height, image.format
+        width, height = image.width, image.height
     if max_pixels is not None and width * height > max_pixels:
         raise PixelLimitError(f"{where}: {width}x{height} is over the limit of {max_pixels} pixels (--max-image-pixels)")
-    if kind == "JPEG" and jpeg_scans(io.BytesIO(raw)) > MAX_JPEG_SCANS:
-        raise PixelLimitError(f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans (each decodes the whole image again)")
-    return CheckedImage(raw, width, height)
+    return CheckedImage(raw, width, height, steps)
 
 
 def _opened(raw: bytes, where: str) -> Image.Image:
@@ -154,5 +169,5 @@ def _decode(checked: CheckedImage, where: str) -> Image.Image:
             rgb = image.convert("RGB")
         except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
             raise WireError(f"{where}: cannot decode ({err})") from None
-    rgb.info.clear()  # PNG text chunks, inflated: not kept with the pixels
+    rgb.info.clear()  # metadata (a JPEG's APP segments): not kept with the pixels
     return rgb

@@ -70,6 +70,8 @@ def save_checkpoint(trainer, rollout_states: dict[int, dict] | None = None) -> P
                 "reference": cpu_state_dict(trainer.reference) if moving_reference else None,
                 "eval_history": [(int(step), float(accuracy)) for step, accuracy in trainer.eval_history],
                 "zero_reward_streak": trainer.zero_reward_watch.streak,
+                "rollbacks": list(trainer.rollbacks.to_steps),
+                "lr_scale": trainer.rollbacks.lr_scale,
             },
             temporary / "trainer.pt",
         )
@@ -92,29 +94,20 @@ def load_checkpoint(trainer, path: Path) -> None:
     state, mine = load_state(trainer_file), load_state(rank_file)
     with restoring(trainer_file):
         trainer.global_step = state["step"]
-        trainer.kl_controller.load_state_dict(state["kl_controller"])
-        if trainer.return_stats is not None:
-            trainer.return_stats.load_state_dict(state["return_stats"])
-        if trainer.policy_ema is not None:
-            trainer.policy_ema = same_layout(state["policy_ema"], trainer.policy_ema, "policy_ema")
-        if state["reference"] is not None:
-            trainer.reference.load_state_dict(state["reference"])
         # An async run's rollout ranks evaluate the checkpoint's step again (discard_after dropped
         # its line): trainer rank 0 may have logged that evaluation already when it saved.
         again = trainer.cfg.train.mode == "async"
         trainer.eval_history = [tuple(entry) for entry in state["eval_history"] if not (again and entry[0] >= trainer.global_step)]
         trainer.zero_reward_watch.streak = state["zero_reward_streak"]
+        trainer.rollbacks.to_steps = set(state.get("rollbacks", ()))  # (absent before rollbacks existed)
+        trainer.rollbacks.lr_scale = state.get("lr_scale", 1.0)
     with restoring(rank_file):
         trainer.sampler.consumed = mine["prompts_consumed"]
         trainer.bad_input.dropped_rows = set(mine.get("dropped_rows", ()))  # named once per run, resumed or not
         if trainer.ptx is not None:
             trainer.ptx.position = mine["ptx_position"]
         trainer.buffer.generator.set_state(mine["buffer_generator"])
-    with restoring(path / "policy"):
-        trainer.backend.load_checkpoint(path / "policy")
-    if trainer.critic is not None:
-        with restoring(path / "critic"):
-            trainer.critic.load_checkpoint(path / "critic")
+    restore_models(trainer, path, state)
     if trainer.role == "trainer":  # the rollout ranks get the restored policy as its step's version
         trainer.engine.resume_at(trainer.global_step)
     trainer.engine.update_weights(trainer.policy_weights())  # serve the restored policy
@@ -122,6 +115,26 @@ def load_checkpoint(trainer, path: Path) -> None:
         print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
     with restoring(rank_file):
         set_rng_state(mine["rng"])  # last: nothing above may draw from the restored streams
+
+
+def restore_models(trainer, path: Path, state: dict, schedule: bool = True) -> None:
+    """What the checkpoint at `path` (its trainer.pt read as `state`) holds of the models: the
+    policy and its optimizer, the critic, the policy EMA, a moving reference, the KL controller
+    and the return statistics. `schedule=False` keeps the current learning-rate schedule (a
+    rollback: trainer/rollback.py). Every rank that trains (collective)."""
+    with restoring(path / "trainer.pt"):
+        trainer.kl_controller.load_state_dict(state["kl_controller"])
+        if trainer.return_stats is not None:
+            trainer.return_stats.load_state_dict(state["return_stats"])
+        if trainer.policy_ema is not None:
+            trainer.policy_ema = same_layout(state["policy_ema"], trainer.policy_ema, "policy_ema")
+        if state["reference"] is not None:
+            trainer.reference.load_state_dict(state["reference"])
+    with restoring(path / "policy"):
+        trainer.backend.load_checkpoint(path / "policy", schedule)
+    if trainer.critic is not None:
+        with restoring(path / "critic"):
+            trainer.critic.load_checkpoint(path / "critic", schedule)
 
 
 def same_layout(saved: dict, current: dict, what: str) -> dict:

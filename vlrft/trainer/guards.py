@@ -15,7 +15,7 @@ import torch
 from vlrft.config import GuardsConfig
 from vlrft.distributed import all_gather_1d, all_gather_objects
 from vlrft.isolation.budget import CALL_KINDS, STEP_BUDGET
-from vlrft.trainer.run_health import CollapseError, HealthWatch
+from vlrft.trainer.run_health import Collapse, CollapseError, HealthWatch
 from vlrft.trainer.sync_check import SyncCheck
 from vlrft.models.compiled_layers import compiled_frames
 from vlrft.trainer.watches import (
@@ -43,6 +43,7 @@ class RunGuards:
         self.memory = {"perf/host_rss_gib": MemoryWatch(cfg.memory_window),
                        "perf/cuda_allocated_gib": MemoryWatch(cfg.memory_window)}
         self.compiles = CompileWatch(compiled_frames())
+        self.rollback_due: Collapse | None = None  # guards.on_collapse rollback: the trainer rolls back
 
     def start_step(self) -> None:
         STEP_BUDGET.start(self.cfg.step_reward_budget_s)
@@ -63,12 +64,14 @@ class RunGuards:
 
     def after_learning(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Collapse and plateau (trainer/run_health.py) from the step's metrics, the same on every
-        rank that trains: rank 0 warns; with guards.on_collapse stop every such rank raises.
+        rank that trains: rank 0 warns; with guards.on_collapse stop every such rank raises, with
+        rollback `rollback_due` holds the collapse for the trainer (trainer/rollback.py).
         Returns `guards/collapse` and `guards/plateau` (1 at the step a warning fires; the report
         marks them on its curves)."""
         lines, collapse = self.health.update(step, metrics)
         if collapse is not None and self.cfg.on_collapse == "stop":
             raise CollapseError(lines[0].removeprefix("vlrft: warning: ") + "; stopped (guards.on_collapse: stop)")
+        self.rollback_due = collapse if self.cfg.on_collapse == "rollback" else None
         for line in lines:
             if self.rank == 0:
                 print(line, flush=True)

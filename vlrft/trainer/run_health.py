@@ -1,6 +1,6 @@
 """Runs that go wrong without raising: a collapse (the accuracy falls within a few steps, with the
-entropy, the response length or a format reward changing at the same time) and a plateau (the
-accuracy does not move for many steps). Both read the step's metrics (the same on every rank:
+entropy, the response length or a format reward changing at the same time, or for two steps in
+a row) and a plateau (the accuracy does not move for many steps). Both read the step's metrics (the same on every rank:
 they are all-reduced), and warn with one line naming the metrics, the step and the likely cause.
 
 The decisions are pure functions of the metric history (`collapse_of`, `plateau_of`); the
@@ -28,7 +28,7 @@ class CollapseError(VlrftError, RuntimeError):
 @dataclass(frozen=True)
 class Collapse:
     started: int  # the first step after the peak
-    cause: str  # entropy blow-up | entropy collapse | length collapse | length blow-up | format collapse
+    cause: str  # entropy blow-up | entropy collapse | length collapse | length blow-up | format collapse | accuracy collapse
     line: str  # what was seen, metric by metric
 
 
@@ -58,7 +58,9 @@ def collapse_of(history: list[dict], drop: float, window: int, accuracy_recipe: 
     """A collapse at the last step of `history` (one metrics dict per step, each with "step"):
     the accuracy fell from its peak of the last `window` steps by at least `drop` of that peak
     (and by MIN_FALL), while the entropy or the response length doubled or halved, or another
-    reward component fell by `drop` of its own peak. None otherwise."""
+    reward component fell by `drop` of its own peak; or, with none of these, the step before
+    had fallen as far too (an "accuracy collapse": the policy became sure of other answers, a
+    fall that one noisy step does not make). None otherwise."""
     recent = [m for m in history[-(window + 1):] if ACCURACY in m]
     if drop <= 0 or len(recent) < 2:
         return None
@@ -69,14 +71,19 @@ def collapse_of(history: list[dict], drop: float, window: int, accuracy_recipe: 
         return None
     causes = _causes(peak, now, f"reward/{accuracy_recipe}/" if accuracy_recipe else ACCURACY, drop)
     if not causes:
-        return None
+        previous = recent[-2]
+        if previous is peak or peak[ACCURACY] - previous[ACCURACY] < max(drop * peak[ACCURACY], MIN_FALL):
+            return None
+        causes = [("accuracy collapse", f"{previous[ACCURACY]:.3g} at step {previous['step']} already; "
+                                        "no entropy, length or format change")]
     seen = "; ".join([f"{ACCURACY} {peak[ACCURACY]:.3g} -> {now[ACCURACY]:.3g}"] + [what for _, what in causes])
     return Collapse(started=peak["step"] + 1, cause=causes[0][0], line=seen)
 
 
 def plateau_of(history: list[dict], patience: int, tolerance: float) -> Plateau | None:
     """A plateau at the last step of `history`: no step of the last `patience` beat the best
-    accuracy before them by more than `tolerance`, and the accuracy is below CONVERGED. `signal`
+    accuracy before them by more than `tolerance`, and no step reached CONVERGED (a run that
+    reached it is done, not stuck: it wavers, or it collapses, which collapse_of names). `signal`
     says whether most groups still had rewards that differed (NO_SIGNAL under one half on
     average over those steps). None otherwise."""
     steps = [m for m in history if ACCURACY in m]
@@ -84,7 +91,7 @@ def plateau_of(history: list[dict], patience: int, tolerance: float) -> Plateau 
         return None
     before, last = steps[:-patience], steps[-patience:]
     best = max(m[ACCURACY] for m in before)
-    if max(m[ACCURACY] for m in last) > best + tolerance or last[-1][ACCURACY] >= CONVERGED:
+    if max(m[ACCURACY] for m in last) > best + tolerance or max(m[ACCURACY] for m in steps) >= CONVERGED:
         return None
     since = max(before, key=lambda m: m[ACCURACY])["step"]
     no_signal = [m[NO_SIGNAL] for m in last if NO_SIGNAL in m]
@@ -110,6 +117,11 @@ class HealthWatch:
         self.drop, self.window, self.patience, self.tolerance = drop, window, patience, tolerance
         self.accuracy_recipe = accuracy_recipe
         self.history: list[dict] = []
+        self.collapsing = self.plateaued = False
+
+    def reset(self) -> None:
+        """Forget the history (a rollback restored an earlier policy: trainer/rollback.py)."""
+        self.history.clear()
         self.collapsing = self.plateaued = False
 
     def update(self, step: int, metrics: dict) -> tuple[list[str], Collapse | None]:

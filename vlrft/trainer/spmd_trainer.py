@@ -29,6 +29,7 @@ from vlrft.trainer.dynamic_sampling import sample_groups
 from vlrft.trainer.evaluate import evaluate
 from vlrft.trainer.models_setup import declare_modalities, setup_models
 from vlrft.trainer.rank_balance import balance_across_ranks
+from vlrft.trainer.rollback import Rollbacks, roll_back
 from vlrft.trainer.rollout_metrics import mark_correct, rollout_metrics
 from vlrft.trainer.run_setup import (
     setup_data,
@@ -81,6 +82,7 @@ class SPMDTrainer:
                                                 self.encoder.tokenizer)
         self.eval_history: list[tuple[int, float]] = []
         self.zero_reward_watch = ZeroRewardWatch(cfg.algo.zero_reward_patience)
+        self.rollbacks = Rollbacks()  # guards.on_collapse: rollback (checkpointed)
         # A preemption (SIGTERM) or Ctrl-C ends the current step, saves a checkpoint, then stops
         # (async: the trainers decide, after the step a signal reached any rank in).
         self.stop_signal: int | None = None
@@ -191,6 +193,8 @@ class SPMDTrainer:
         metrics["perf/experience_seconds"] = made - start
         metrics["perf/step_seconds"] = time.perf_counter() - start
         metrics |= self.guards.after_learning(self.global_step, metrics)  # collapse and plateau
+        if self.guards.rollback_due is not None:
+            metrics |= roll_back(self, self.guards.rollback_due)
         return metrics
 
     def make_experiences(self, kept: list[Experience], generated: list[Experience], metrics: dict) -> list[Experience]:

@@ -134,6 +134,24 @@ def metric_series(metrics: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return dict(sorted(series.items()))
 
 
+def run_events(metrics: list[dict]) -> list[tuple[float, str, str]]:
+    """(step, kind, what) of the guards' events in metrics.jsonl: a collapse or plateau warning
+    (guards/collapse, guards/plateau) and a rollback (guards/rollback), to mark on the curves."""
+    events = []
+    for line in metrics:
+        step = line.get("step")
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            continue
+        for kind in ("collapse", "plateau"):
+            if line.get(f"guards/{kind}") == 1:
+                events.append((step, kind, f"{kind} warning at step {number(step)}"))
+        if line.get("guards/rollback") == 1:
+            to = line.get("guards/rollback_to_step")
+            back = f" to the checkpoint of step {number(to)}" if isinstance(to, (int, float)) else ""
+            events.append((step, "rollback", f"rolled back at step {number(step)}{back}"))
+    return events
+
+
 def report_summary(records_by_step: dict[int, list[dict]], metrics: list[dict]) -> dict:
     """The report.json content: statistics per step, over the whole run, last metric values."""
     every = [r for records in records_by_step.values() for r in records]
@@ -192,24 +210,27 @@ def overview_section(run_dir: Path, records_by_step: dict[int, list[dict]], summ
 
 
 def curves_section(step_stats: dict[int, dict], metrics: list[dict]) -> str:
+    """Every curve over steps, with the guards' events (run_events) marked on each."""
     components = {"total reward": "reward/mean"} | keys_like(step_stats, "component/", "/mean")
     sources = {"all sources": "accuracy"} | keys_like(step_stats, "source/", "/accuracy")
+    events = run_events(metrics)
+
+    def chart(series, title, y_label):
+        return line_chart(series, title, "step", y_label, events)
+
     charts = [
-        line_chart(step_series(step_stats, components), "Reward mean by component", "step", "mean"),
-        line_chart(step_series(step_stats, sources), "Accuracy by data source", "step", "accuracy"),
-        line_chart(step_series(step_stats, {"mean": "length/mean", "p90": "length/p90"}),
-                   "Response length", "step", "tokens"),
-        line_chart(step_series(step_stats, {"truncated": "truncated_frac"}), "Truncation rate", "step", "fraction"),
-        line_chart(step_series(step_stats, {"zero-variance groups": "zero_variance_group_frac"}),
-                   "Groups with equal rewards (no group-relative signal)", "step", "fraction"),
-        line_chart(step_series(step_stats, {"repetition": "repetition_mean"}),
-                   "Repeated 3-grams per response", "step", "fraction"),
+        chart(step_series(step_stats, components), "Reward mean by component", "mean"),
+        chart(step_series(step_stats, sources), "Accuracy by data source", "accuracy"),
+        chart(step_series(step_stats, {"mean": "length/mean", "p90": "length/p90"}), "Response length", "tokens"),
+        chart(step_series(step_stats, {"truncated": "truncated_frac"}), "Truncation rate", "fraction"),
+        chart(step_series(step_stats, {"zero-variance groups": "zero_variance_group_frac"}),
+              "Groups with equal rewards (no group-relative signal)", "fraction"),
+        chart(step_series(step_stats, {"repetition": "repetition_mean"}), "Repeated 3-grams per response", "fraction"),
     ]
     if any("entropy/mean" in stats for stats in step_stats.values()):
-        charts.append(line_chart(step_series(step_stats, {"mean": "entropy/mean", "p90": "entropy/p90"}),
-                                 "Token entropy", "step", "nats"))
-    logged = [line_chart({name: points}, name, "step", name.rsplit("/", 1)[-1])
-              for name, points in metric_series(metrics).items()]
+        charts.append(chart(step_series(step_stats, {"mean": "entropy/mean", "p90": "entropy/p90"}),
+                            "Token entropy", "nats"))
+    logged = [chart({name: points}, name, name.rsplit("/", 1)[-1]) for name, points in metric_series(metrics).items()]
     logged_html = ('<h3>Logged metrics (metrics.jsonl)</h3><div class="charts">' + "".join(logged) + "</div>"
                    if logged else '<p class="muted">No metrics.jsonl in this run directory.</p>')
     return (f'<section id="curves"><h2>Curves over steps</h2><h3>From saved trajectories</h3>'

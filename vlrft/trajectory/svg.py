@@ -21,6 +21,9 @@ TICK_COUNT = 5
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
 # Past this many points per series, dot markers would bury the line.
 MAX_MARKED_POINTS = 60
+# Run events marked on the curves (the guards' collapse, plateau and rollback steps): a dashed
+# vertical line each, in the event's colour, and one legend row per kind.
+EVENT_COLOURS = {"collapse": "#D55E00", "plateau": "#E69F00", "rollback": "#000000"}
 
 
 def esc(text) -> str:
@@ -100,9 +103,11 @@ def axes(frame: Frame, x_ticks: list[float], y_ticks: list[float], x_label: str,
     return parts
 
 
-def line_chart(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str) -> str:
+def line_chart(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str,
+               events: list[tuple[float, str, str]] = ()) -> str:
     """One line (with dot markers when short) per named series of (x, y) points, and a legend
-    below the plot, one row per series."""
+    below the plot, one row per series. `events`: (x, kind, what) of run events (EVENT_COLOURS'
+    kinds), each a dashed vertical line where x is on the axis, with a legend row per kind."""
     clean = {name: sorted((float(x), float(y)) for x, y in points if math.isfinite(x) and math.isfinite(y))
              for name, points in series.items()}
     clean = {name: points for name, points in clean.items() if points}
@@ -111,8 +116,15 @@ def line_chart(series: dict[str, list[tuple[float, float]]], title: str, x_label
     x_lo, x_hi, x_ticks = nice_axis(*padded_range([x for points in clean.values() for x, _ in points]))
     y_lo, y_hi, y_ticks = nice_axis(*padded_range([y for points in clean.values() for _, y in points]))
     frame = Frame(x_lo, x_hi, y_lo, y_hi)
+    shown = [(x, kind, what) for x, kind, what in events if kind in EVENT_COLOURS and x_lo <= x <= x_hi]
+    kinds = [kind for kind in EVENT_COLOURS if any(k == kind for _, k, _ in shown)]
     legend_top = MARGIN_TOP + PLOT_HEIGHT + MARGIN_BOTTOM
-    parts = [svg_open(title, legend_top + LEGEND_ROW * len(clean)), *axes(frame, x_ticks, y_ticks, x_label, y_label)]
+    parts = [svg_open(title, legend_top + LEGEND_ROW * (len(clean) + len(kinds))),
+             *axes(frame, x_ticks, y_ticks, x_label, y_label)]
+    for x, kind, what in shown:
+        parts.append(f'<line class="event" x1="{frame.px(x):.1f}" y1="{MARGIN_TOP}" x2="{frame.px(x):.1f}" '
+                     f'y2="{MARGIN_TOP + PLOT_HEIGHT}" stroke="{EVENT_COLOURS[kind]}" stroke-width="1.5" '
+                     f'stroke-dasharray="5 3"><title>{esc(what)}</title></line>')
     for i, (name, points) in enumerate(clean.items()):
         colour = PALETTE[i % len(PALETTE)]
         coords = " ".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in points)
@@ -124,6 +136,11 @@ def line_chart(series: dict[str, list[tuple[float, float]]], title: str, x_label
         row = legend_top + LEGEND_ROW * i
         parts.append(f'<rect x="{MARGIN_LEFT}" y="{row + 2}" width="14" height="10" fill="{colour}"/>'
                      f'<text x="{MARGIN_LEFT + 20}" y="{row + 11}">{esc(name)}</text>')
+    for i, kind in enumerate(kinds, len(clean)):
+        row, steps = legend_top + LEGEND_ROW * i, ", ".join(tick_label(x) for x, k, _ in shown if k == kind)
+        parts.append(f'<line x1="{MARGIN_LEFT}" y1="{row + 7}" x2="{MARGIN_LEFT + 14}" y2="{row + 7}" '
+                     f'stroke="{EVENT_COLOURS[kind]}" stroke-width="1.5" stroke-dasharray="5 3"/>'
+                     f'<text x="{MARGIN_LEFT + 20}" y="{row + 11}">{esc(kind)} at step {esc(steps)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

@@ -1,7 +1,7 @@
 """Print two runs' held-out accuracy side by side, by step, and the first step at which each
 reaches a level (examples/distill/run.sh: on-policy distillation beside GRPO).
 
-    python examples/distill/compare_curves.py DISTILL/metrics.jsonl GRPO/metrics.jsonl [--level 0.95]
+    python -m data_tools.compare_curves DISTILL/metrics.jsonl GRPO/metrics.jsonl [--level 0.95]
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ SCAN_SEGMENTS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, *range(0xE0, 0xF0), 0xFE}
 # In a scan's data an FF byte is followed by 00 (a stuffed FF), a restart marker (D0-D7) or FF
 # (padding) unless a marker starts there.
 _NEXT_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
+_PADDING = re.compile(rb"\xff+")
 
 
 def read_image_file(fp) -> bytes:
@@ -141,7 +142,7 @@ def jpeg_without_metadata(raw: bytes) -> tuple[bytes, int]:
                     steps += 1
                 position = max(end, position + 2)
             elif marker == 0xFFFF:  # padding, left out: the last FF of the run starts the next marker
-                position, steps = position + len(raw[position:]) - len(raw[position:].lstrip(b"\xff")) - 1, steps + 1
+                position, steps = _PADDING.match(raw, position).end() - 1, steps + 1
             else:  # a marker without data, FF 00, or no marker: what Pillow skips or refuses
                 kept.append(view[position : position + 2])
                 position, steps = position + 2, steps + 1

@@ -67,7 +67,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name)[1]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a finished checkpoint's directory (step_000040 -> 40)."""
+    return int(STEP_DIR.match(checkpoint.name)[1])
 
 
 def resume_path(resume: str, run_dir: Path) -> Path | None:
@@ -149,7 +154,7 @@ def discard_after(run_dir: Path, step: int, evaluation_at_step: bool = False) ->
     run's history is one history and rotation never keeps a stale future over fresh work.
     `evaluation_at_step`: also the evaluation logged at `step` (the resumed run makes it again)."""
     for later in complete_checkpoints(run_dir):
-        if int(STEP_DIR.match(later.name)[1]) > step:
+        if checkpoint_step(later) > step:
             shutil.rmtree(later, ignore_errors=True)
     trajectories = Path(run_dir) / "trajectories"
     for saved in trajectories.iterdir() if trajectories.is_dir() else []:

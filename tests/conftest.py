@@ -23,6 +23,22 @@ def tiny_text(tmp_path_factory):
     return str(build_text_model(tmp_path_factory.mktemp("tiny_text"), warmup_steps=0))
 
 
+@pytest.fixture(scope="session")
+def untied_text(tiny_text, tmp_path_factory):
+    """tiny_text with an LM head of its own (a copy of the embedding, untied): the shape of the
+    7B-and-larger checkpoints, whose head a weight sync must send as a tensor of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_text)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    out = tmp_path_factory.mktemp("untied_text")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_text).save_pretrained(out)
+    return str(out)
+
+
 def one_thread_build(build, out_dir, warmup_steps: int) -> str:
     """A warmed tiny model built on one thread, as the make_tiny_model CLI does (same weights
     every run, no thread spinning)."""

@@ -143,7 +143,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'checkpoint.save_steps' must be >= 0 (0 = only on a signal), got {cfg.checkpoint.save_steps}")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"config key 'checkpoint.keep_last' must be >= 1, got {cfg.checkpoint.keep_last}")
-    for key in ("sync_max_logprob_gap", "step_reward_budget_s", "component_patience", "memory_window",
+    if (cfg.guards.sync_max_logprob_gap or 0) < 0:
+        raise ConfigError(f"config key 'guards.sync_max_logprob_gap' must be >= 0 (0 = off), got {cfg.guards.sync_max_logprob_gap}")
+    for key in ("step_reward_budget_s", "component_patience", "memory_window",
                 "peer_timeout_s", "stall_timeout_s", "collapse_drop", "plateau_patience", "plateau_tolerance"):
         if getattr(cfg.guards, key) < 0:
             raise ConfigError(f"config key 'guards.{key}' must be >= 0 (0 = off), got {getattr(cfg.guards, key)}")

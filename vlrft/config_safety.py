@@ -11,9 +11,13 @@ from dataclasses import dataclass
 class GuardsConfig:
     # Failures that would otherwise go unnoticed stop the run (or warn) with one line naming the
     # culprit (docs/guards.md). 0 turns a guard off.
-    # After each weight sync, the engine and the trainer score the same probe response; a mean
-    # per-token logprob gap above this stops the run (the engine is not serving the trained policy).
-    sync_max_logprob_gap: float = 0.1
+    # After each weight sync the engine reports a digest of every tensor it serves; one that is
+    # not the trainer's, bit for bit in the engine's dtype, stops the run naming it.
+    sync_digest: bool = True
+    # And the engine and the trainer score the same probe response; a mean per-token logprob gap
+    # above this stops the run. None: the limit measured for the engine and precision
+    # (trainer/sync_check.py, docs/guards.md).
+    sync_max_logprob_gap: float | None = None
     # Wall-clock budget of one step's reward and environment calls, per rank: a call still
     # running when it is spent stops the run, naming the recipe and the sample.
     step_reward_budget_s: float = 600.0

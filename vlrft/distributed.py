@@ -19,7 +19,7 @@ import os
 import pickle
 import socket
 import sys
-from typing import Iterable, Iterator, NoReturn
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -443,14 +443,15 @@ class WeightsError(VlrftError, RuntimeError):
     """A weights broadcast that is not the one expected; one-line message."""
 
 
-def receive_weights(group, source: int, expected_version: int, engine, header: str = WEIGHTS_HEADER) -> int:
-    """Receive the next weights broadcast (from global rank `source`) into `engine`'s
-    `update_weights`; it must be version `expected_version` (versions arrive in order, none
-    skipped) of the weights `header` names. Returns the version."""
+def receive_weights(group, source: int, expected_version: int, load: Callable[[Iterator], None],
+                    header: str = WEIGHTS_HEADER) -> int:
+    """Receive the next weights broadcast (from global rank `source`) into `load` (an engine's
+    update, streaming the (name, tensor) pairs); it must be version `expected_version` (versions
+    arrive in order, none skipped) of the weights `header` names. Returns the version."""
     got = _broadcast_object(None, source, group)
     if not (isinstance(got, tuple) and got[0] == header and got[1] == expected_version):
         what = "weights" if header == WEIGHTS_HEADER else "EMA weights"
         raise WeightsError(f"rank {dist.get_rank()} expected {what} version {expected_version} from rank {source}, got {got!r}")
-    engine.update_weights(received_weights(group, source))
+    load(received_weights(group, source))
     return expected_version
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from vlrft.distributed import VersionBoard, all_reduce_sum, exit_process, global_rank, init_distributed
+from vlrft.engines.weight_digest import DigestCheck
 from vlrft.trainer.weights_delivery import RolloutRanks, take_async_role, take_version
 
 
@@ -50,7 +51,8 @@ def trainer(routes) -> None:
 
 
 def rollout(routes, me: int) -> None:
-    holder = SimpleNamespace(weights=routes, engine=RecordingEngine())
+    engine = RecordingEngine()  # (no digests: DigestCheck passes the weights through unchecked)
+    holder = SimpleNamespace(weights=routes, engine=engine, guards=SimpleNamespace(digests=DigestCheck(engine, "recording")))
     board = VersionBoard()
     take = lambda version: take_version(holder, board, version, lambda: None)  # noqa: E731
     # Version 1.

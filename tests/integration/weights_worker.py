@@ -31,12 +31,12 @@ def main() -> None:
         broadcast_weights(group, 0, 3, iter([]))
     else:
         engine = RecordingEngine()
-        assert receive_weights(group, 0, 1, engine) == 1
+        assert receive_weights(group, 0, 1, engine.update_weights) == 1
         for name, tensor in weights.items():
             assert torch.equal(engine.received[name], tensor) and engine.received[name].dtype == tensor.dtype, name
         print("received version 1:", sorted(engine.received))
         try:
-            receive_weights(group, 0, 2, engine)
+            receive_weights(group, 0, 2, engine.update_weights)
         except WeightsError as err:
             print(f"error: {err}")
             list(received_weights(group, 0))  # the rest of the broadcast: its end mark

@@ -205,6 +205,7 @@ def fake_trainer(policy_ema: dict) -> SimpleNamespace:
         bad_input=SimpleNamespace(dropped_rows=set()), ptx=None, buffer=SimpleNamespace(generator=torch.Generator()),
         engine=SimpleNamespace(update_weights=lambda weights: None, resume_at=lambda step: None),
         policy_weights=lambda: [], rollbacks=Rollbacks(),
+        guards=SimpleNamespace(digests=SimpleNamespace(update=lambda weights, where: None)),
     )
 
 

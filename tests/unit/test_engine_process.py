@@ -17,6 +17,7 @@ from vlrft.data.dataset import load_rows
 from vlrft.engines import SamplingParams
 from vlrft.engines import engine_process
 from vlrft.engines.engine_process import EngineProcess, EngineProcessError, buckets, child_environment
+from vlrft.engines.weight_digest import DigestCheck, WeightDigestError, tensor_digest
 from vlrft.models.loader import banned_token_ids, load_model, stop_token_ids
 from tests.process_env import fresh_process_env
 from tests.unit.test_engine import make_engine
@@ -78,6 +79,20 @@ def test_it_answers_and_loads_weights_as_the_engine_in_process(engines, tiny_tex
     kept = dict(child.named_weights())
     assert sorted(kept) == sorted(name for name, _ in weights)
     assert all(torch.equal(kept[name], tensor) for name, tensor in weights)
+
+
+def test_digests_cross_the_pipe_and_name_a_layer_the_child_left_out(engines, tiny_text):
+    """The exact sync check through an engine process: the child computes the digests of what it
+    serves, the rollout rank those of what it sent; a sync that leaves a layer out is named."""
+    local, child, _ = engines
+    assert child.weight_dtype == local.weight_dtype == torch.float32
+    weights = moved_weights(tiny_text, 1.25)
+    DigestCheck(child, "hf").update(iter(weights), "at weights version 1")  # healthy: no error
+    assert child.served_digests() == {name: tensor_digest(tensor) for name, tensor in weights}
+    half = [(name, tensor * 2) for name, tensor in weights if ".layers.1." not in name]
+    with pytest.raises(WeightDigestError, match=r"at weights version 2: the 'hf' engine .* \d+ of the engine's were not "
+                                                r"sent \('model\.layers\.1\."):
+        DigestCheck(child, "hf").update(iter(half), "at weights version 2")
 
 
 def test_partial_rollouts_hook_runs_in_the_rollout_rank_between_the_engine_s_decoding_steps(engines, tiny_text):

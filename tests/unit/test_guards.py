@@ -10,7 +10,8 @@ from vlrft.config import load_config
 from vlrft.isolation.budget import CallStalled, StepBudget
 from vlrft.rewards.guard import call_recipe
 from vlrft.rewards.mix import sample_ids
-from vlrft.trainer.sync_check import SyncError, mean_gap, sync_problem
+from vlrft.engines.weight_digest import WeightDigestError
+from vlrft.trainer.sync_check import DEFAULT_GAP_LIMIT, GAP_LIMITS, SyncError, gap_limit, mean_gap, sync_problem
 from vlrft.trainer.watches import (
     MIN_WINDOW_GROWTH,
     ComponentWatch,
@@ -139,6 +140,7 @@ def withhold_weights(trainer):
 def test_a_healthy_sync_has_no_gap(overrides, world_of_one):
     metrics = trainer_for(overrides).train_step()
     assert metrics["sync/logprob_gap"] < 1e-4  # fp32 on both sides
+    assert metrics["perf/sync_digest_seconds"] > 0  # and the digests matched
     assert metrics["sync/update_shift"] > 0.05  # the update did move the policy
     assert metrics["perf/slowest_reward_call_seconds"] > 0 and metrics["perf/host_rss_gib"] > 0
     assert metrics["reward/stuck_components"] == 0
@@ -147,16 +149,60 @@ def test_a_healthy_sync_has_no_gap(overrides, world_of_one):
 @pytest.mark.parametrize("lora", [False, True])
 def test_weights_that_never_reach_the_engine_stop_the_run(lora, overrides, world_of_one):
     extra = ["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"] if lora else []
-    trainer = trainer_for(overrides + extra)
+    trainer = trainer_for(overrides + extra + ["guards.sync_digest=false"])  # the probe alone
     withhold_weights(trainer)
     with pytest.raises(SyncError, match=r"after step 1: the 'hf' engine's logprobs .* did not reach the engine"):
         trainer.train_step()
 
 
 def test_sync_check_off(overrides, world_of_one):
-    trainer = trainer_for(overrides + ["guards.sync_max_logprob_gap=0"])
+    trainer = trainer_for(overrides + ["guards.sync_max_logprob_gap=0", "guards.sync_digest=false"])
     withhold_weights(trainer)
-    assert "sync/logprob_gap" not in trainer.train_step()
+    metrics = trainer.train_step()
+    assert "sync/logprob_gap" not in metrics and "perf/sync_digest_seconds" not in metrics
+
+
+def faulty_sync(trainer, skip=lambda name: False, round_to=lambda name: False):
+    """An engine update that silently leaves the tensors `skip` names out and stores those
+    `round_to` names through bfloat16: the partial syncs peers' users report."""
+    update = trainer.engine.update_weights
+
+    def faulty(named_tensors):
+        update((name, tensor.to(torch.bfloat16).float() if round_to(name) else tensor)
+               for name, tensor in named_tensors if not skip(name))
+
+    trainer.engine.update_weights = faulty
+
+
+@pytest.mark.parametrize(("fault", "expected"), [
+    ({"skip": lambda name: ".layers.1." in name}, r"still hold the previous sync's values \('model.layers.1\."),
+    # The tiny model ties its LM head to the embedding: the one tensor both are.
+    ({"skip": lambda name: "embed_tokens" in name}, r"still hold the previous sync's values \('model.embed_tokens.weight'\)"),
+    ({"skip": lambda name: name == "lm_head.weight", "untied": True}, r"still hold the previous sync's values \('lm_head.weight'\)"),
+    ({"round_to": lambda name: name.endswith("layers.0.mlp.down_proj.weight")}, r"other values than were sent, e.g. rounded "
+                                                                                r"\('model.layers.0.mlp.down_proj.weight'\)"),
+])
+def test_a_partial_sync_stops_the_run_at_step_1_naming_the_tensors(fault, expected, overrides, untied_text, world_of_one):
+    fault = dict(fault)
+    trainer = trainer_for(overrides + ([f"model.path={untied_text}"] if fault.pop("untied", False) else []))
+    faulty_sync(trainer, **fault)
+    with pytest.raises(WeightDigestError, match=r"^weight sync check after step 1: the 'hf' engine does not serve the \d+ tensors "
+                                                r"the trainer sent: .*" + expected):
+        trainer.train_step()
+
+
+def test_a_lora_merge_that_never_reaches_the_engine_stops_the_run_at_step_1(overrides, world_of_one):
+    trainer = trainer_for(overrides + ["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"])
+    targets = trainer.cfg.model.lora.target_modules
+    faulty_sync(trainer, skip=lambda name: any(f".{target}." in name for target in targets))  # base weights stay
+    with pytest.raises(WeightDigestError, match=r"after step 1: .* still hold the previous sync's values"):
+        trainer.train_step()
+
+
+def test_gap_limit_comes_from_the_measured_table_unless_set():
+    assert gap_limit(None, "hf", "float32") == GAP_LIMITS[("hf", "float32")] < gap_limit(None, "vllm", "bfloat16")
+    assert gap_limit(0.3, "hf", "float32") == 0.3 and gap_limit(0.0, "vllm", "float32") == 0.0
+    assert gap_limit(None, "my_plugin_engine", "float32") == DEFAULT_GAP_LIMIT
 
 
 def test_a_stalled_recipe_stops_the_step_naming_it(overrides, tmp_path, world_of_one):

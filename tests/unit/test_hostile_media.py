@@ -76,16 +76,27 @@ def test_an_image_in_a_format_not_read_is_a_bad_prompt(tmp_path, tiny_vl, name, 
     assert str(err.value) == message
 
 
+def test_a_file_name_that_forges_log_lines_is_shown_escaped_on_one_line(tmp_path, tiny_vl):
+    name = "ok\nINFO forged log line: all rows valid\n.png"
+    (tmp_path / name).write_bytes(b"not an image")
+    with pytest.raises(DataError) as err:
+        encode_one(PromptEncoder(tiny_vl, 56 * 56, 112 * 112, 512), tmp_path, "image", name)
+    assert "\n" not in str(err.value) and "ok\\nINFO forged" in str(err.value), str(err.value)
+
+
 def test_a_row_whose_images_alone_overflow_the_prompt_is_refused_from_their_headers(tmp_path, tiny_vl, monkeypatch):
     """One small PNG named 80 times: each part decodes to a large image (80 of a 1990-pixel
     square held 5.7 GiB), so the row is refused once its images' tokens, counted from their
     headers, pass data.max_prompt_tokens, before the rest are decoded. A row within the limit
-    encodes, with the tokens the header count predicted."""
-    from vlrft.data import encoding
+    encodes, with the tokens the header count predicted. Each file is read once: its header
+    counted, then its pixels decoded from the same bytes."""
+    from vlrft.data import images
 
     Image.new("RGB", (600, 600), (200, 0, 0)).save(tmp_path / "big.png")  # resized to max_pixels: 112 x 112
-    decoded = []
-    monkeypatch.setattr(encoding, "load_rgb_image", lambda *a, **k: decoded.append(1) or load_rgb_image(*a, **k))
+    decoded, reads = [], []
+    decode, read = images.rgb_image, images.read_image_file
+    monkeypatch.setattr(images, "rgb_image", lambda *a: decoded.append(1) or decode(*a))
+    monkeypatch.setattr(images, "read_image_file", lambda *a: reads.append(1) or read(*a))
     encoder = PromptEncoder(tiny_vl, 56 * 56, 112 * 112, 512)
 
     def row(parts: int) -> dict:
@@ -94,13 +105,15 @@ def test_a_row_whose_images_alone_overflow_the_prompt_is_refused_from_their_head
             {"role": "user", "content": [*images, {"type": "text", "text": "?"}]}]}) + "\n")
         return load_rows(tmp_path / "train.jsonl")[0]
 
-    each = encoder.image_tokens(*encoder.loaded_size((tmp_path / "big.png").read_bytes()))
+    with images.header_then_pixels(tmp_path / "big.png", encoder.max_pixels) as (size, _):
+        each = encoder.image_tokens(*size)
+    reads.clear()
     over = 512 // each + 1  # the first image past the limit
     assert each >= 4 and over < 80
     with pytest.raises(DataError, match=rf"^row id 'many': its first {over} images alone take {over * each} tokens > "
                                         r"data.max_prompt_tokens=512 \(refused before decoding them\)$"):
         encoder.encode(row(80), 0)
-    assert len(decoded) == over - 1
+    assert len(decoded) == over - 1 and len(reads) == over  # the last one's header only
     within = over // 2  # images and text within the limit: encoded, with the tokens the headers said
     prompt = encoder.encode(row(within), 0)
     assert int(prompt.mm_inputs["image_grid_thw"].prod(-1).sum()) // 4 == within * each

@@ -22,9 +22,15 @@ from vlrft.data.image_headers import (
     MAX_PNG_CHUNKS,
     jpeg_without_metadata,
 )
-from vlrft.data.images import load_rgb_image, loaded_size
+from vlrft.data.images import header_then_pixels, load_rgb_image
 from vlrft.rewards.wire import MIN_IMAGE_PIXELS, STRUCTURE_STEP_PIXELS, PixelLimitError, check_samples, decode_samples
 
+
+
+def header_size(source) -> tuple[int, int]:
+    """The size an image's header gives, nothing decoded."""
+    with header_then_pixels(source) as (size, _):
+        return size
 
 def png_bytes(size=(1, 1)) -> bytes:
     buffer = io.BytesIO()
@@ -66,7 +72,7 @@ def test_png_metadata_is_never_inflated(kind, key, tmp_path, monkeypatch):
     path = tmp_path / "bomb.png"
     path.write_bytes(bomb)
     image = load_rgb_image(str(path))
-    assert image.tobytes() == decoded[0].tobytes() and image.info == {} and loaded_size(path) == (3, 2)
+    assert image.tobytes() == decoded[0].tobytes() and image.info == {} and header_size(path) == (3, 2)
     assert inflated == []
     Image.open(io.BytesIO(bomb)).load()
     assert inflated  # (Pillow itself would have)
@@ -93,7 +99,7 @@ def test_an_image_file_over_the_size_limit_is_refused_unread(tmp_path):
     with open(path, "wb") as file:
         file.write(png_bytes())
         file.truncate(MAX_IMAGE_FILE_BYTES + 1)
-    for read in (load_rgb_image, loaded_size):
+    for read in (load_rgb_image, header_size):
         with pytest.raises(ValueError, match=f"^an image file of over {MAX_IMAGE_FILE_BYTES >> 20} MiB; refused"):
             read(str(path))
 
@@ -126,7 +132,7 @@ def test_a_jpeg_header_of_junk_is_refused_before_pillow_walks_it(junk, limit, me
         check_samples([sample(bomb)])
     (tmp_path / "bomb.jpg").write_bytes(bomb)
     with pytest.raises(ValueError, match=message):
-        loaded_size(str(tmp_path / "bomb.jpg"))
+        header_size(str(tmp_path / "bomb.jpg"))
     assert walked == []
     allowed = with_after_app0(good, junk * (limit // 2))
     assert decode_samples([sample(allowed)])[0]["images"][0].tobytes() == Image.open(io.BytesIO(good)).convert("RGB").tobytes()

@@ -3,6 +3,7 @@ ZeRO-3, tensor parallel 1 and 2, and the addition example's reward rising."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 WORKER = Path(__file__).with_name("vllm_sync_worker.py")
 WITHHELD_WORKER = Path(__file__).with_name("vllm_withheld_sync_worker.py")
+FAULTY_WORKER = Path(__file__).with_name("vllm_faulty_sync_worker.py")
 # Served vs exported logprobs. fp32 on both sides: measured max |diff| <= 1e-6 here; a bf16
 # engine vs the fp32 export: 4.5e-3 (bf16 rounding). A stale tensor (e.g. an untied head)
 # moves logprobs by ~1e-2 or more after a few updates; training moves them by ~1.7 here.
@@ -82,16 +84,56 @@ def test_weight_sync_reaches_vllm(zero_stage, tp_size, dtype, tiny_text, additio
         assert abs(m["rollout/correction_weight_mean"] - 1) < 2e-2 and m["rollout/correction_masked_frac"] == 0, m
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_weights_withheld_from_vllm_stop_the_run(lora, tiny_text, addition_data, tmp_path):
-    """A sync that does not take effect is caught at the step it happens, on both ranks."""
-    overrides = [
-        f"model.path={tiny_text}", f"data.train_path={addition_data / 'train.jsonl'}",
+def faulty_sync_overrides(model: str, addition_data, tmp_path, extra: list[str]) -> list[str]:
+    (tmp_path / "recipe.py").write_text(RECIPE)
+    return [
+        f"model.path={model}", f"data.train_path={addition_data / 'train.jsonl'}",
         "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.15", "rollout.rollout_prompts=4",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6", "train.lr=0.05",
         "reward.default=[{recipe: 'recipe.py:distinct_chars'}]", "eval.every_steps=0", f"output.dir={tmp_path / 'run'}",
-    ] + (["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"] if lora else [])
-    (tmp_path / "recipe.py").write_text(RECIPE)
+    ] + extra
+
+
+@pytest.mark.parametrize(("tp_size", "faults"), [(1, "layer,embedding,rounded,none"),
+                                                  (2, "layer,embedding,lm_head,rounded,none"),  # (an untied head)
+                                                  (1, "lora"), (2, "lora")])
+def test_partial_syncs_to_vllm_stop_the_run(tp_size, faults, tiny_text, untied_text, addition_data, tmp_path):
+    """The exact check: the digests vLLM computes of what it serves (fused q/k/v and gate/up,
+    tensor-parallel shards, CPU linear layers packed for oneDNN) against the trainer's of what it
+    sent. A decoder layer or a LoRA merge left out stops the run at step 1 on every rank, naming
+    vLLM's tensors; the embedding, an untied LM head and a rounded tensor are caught at the first
+    sync that has them (the check's own update, on the same engine); a healthy update trips
+    nothing."""
+    lora = ["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"] if faults == "lora" else []
+    model = untied_text if "lm_head" in faults else tiny_text
+    overrides = faulty_sync_overrides(model, addition_data, tmp_path, [f"rollout.engine_tp_size={tp_size}", *lora])
+    torchrun([str(FAULTY_WORKER), str(tmp_path), faults, *overrides], tmp_path)
+    expected = {
+        "layer": r"^weight sync check after step 1: the 'vllm' engine does not serve the \d+ tensors the trainer sent: "
+                 r"\d+ still hold the previous sync's values \('model\.layers\.1\.",
+        "embedding": r"^weight sync check with fault embedding: .*1 still hold the previous sync's values "
+                     r"\('model\.embed_tokens\.weight'\)",
+        "lm_head": r"^weight sync check with fault lm_head: .*1 still hold the previous sync's values \('lm_head\.weight'\)",
+        "rounded": r"^weight sync check with fault rounded: .*1 hold other values than were sent, e\.g\. rounded "
+                   r"\('model\.layers\.0\.mlp\.down_proj\.weight'\)",
+        "lora": r"^weight sync check after step 1: .* still hold the previous sync's values \('model\.layers\.0\.self_attn\.qkv_proj",
+    }
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert list(found) == faults.split(","), found
+        for fault, message in found.items():
+            if fault == "none":
+                assert message == "", message
+            else:
+                assert re.match(expected[fault], message), (fault, message)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_weights_withheld_from_vllm_stop_the_run(lora, tiny_text, addition_data, tmp_path):
+    """The logprob probe alone (the digest check off): a sync that does not take effect is
+    caught at the step it happens, on both ranks."""
+    extra = ["guards.sync_digest=false"] + (["model.lora.rank=4", "model.lora.alpha=16", "train.lr=0.2"] if lora else [])
+    overrides = faulty_sync_overrides(tiny_text, addition_data, tmp_path, extra)
     torchrun([str(WITHHELD_WORKER), str(tmp_path), *overrides], tmp_path)
     for rank in (0, 1):
         message = (tmp_path / f"rank{rank}.txt").read_text()

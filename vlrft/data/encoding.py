@@ -11,6 +11,7 @@ because processor classes that insist on a video processor need torchvision.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from vlrft.data.dataset import DataError, image_sources, parts_of
-from vlrft.data.images import load_rgb_image, loaded_size
-from vlrft.data.media import open_media
+from vlrft.data.images import header_then_pixels, load_rgb_image
+from vlrft.data.media import open_media, shown
 from vlrft.data.video import VIDEO_PAD, Clip, group_timestamps, read_clip, video_placeholder, video_pixels
 from vlrft.data.video_file import VIDEO_DECODE_TIMEOUT_S, VIDEO_MAX_DECODED_PIXELS, VideoFiles
 from vlrft.types import Prompt
@@ -59,6 +60,10 @@ def json_safe(messages: list[dict]) -> list[dict]:
     return out
 
 
+class _Refused(Exception):
+    """A row's image refused by its header (load_images): the DataError's text after the row."""
+
+
 class PromptEncoder:
     def __init__(
         self, model_path: str, min_pixels: int, max_pixels: int, max_prompt_tokens: int,
@@ -94,7 +99,9 @@ class PromptEncoder:
     def load_image(self, source: str | bytes) -> Image.Image:
         """An image from its path (opened by `open_media`: beneath its root, no symlinks) or its
         encoded bytes (parquet and HF data sets)."""
-        image = self._read(source, self.max_pixels)
+        return self._processed(self._read(source, self.max_pixels))
+
+    def _processed(self, image: Image.Image) -> Image.Image:
         if _qwen_fetch_image is not None:  # given the pixels, never the path: it would open the file itself
             return _qwen_fetch_image({"image": image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels})
         return image
@@ -106,12 +113,16 @@ class PromptEncoder:
         with open_media(source) as file:
             return load_rgb_image(file, max_pixels=max_pixels)
 
-    def loaded_size(self, source: str | bytes) -> tuple[int, int]:
-        """The size `load_image` hands the image processor, from the image's header alone."""
+    @contextlib.contextmanager
+    def _header_then_pixels(self, source: str | bytes):
+        """(the size `load_image` hands the image processor, from the header; its decoder), the
+        file read once (a path opened by `open_media`)."""
         if isinstance(source, bytes):
-            return loaded_size(io.BytesIO(source), self.max_pixels)
-        with open_media(source) as file:
-            return loaded_size(file, self.max_pixels)
+            with header_then_pixels(io.BytesIO(source), self.max_pixels) as opened:
+                yield opened
+            return
+        with open_media(source) as file, header_then_pixels(file, self.max_pixels) as opened:
+            yield opened
 
     def image_tokens(self, width: int, height: int) -> int:
         """The tokens an image of this size becomes, resized into [min_pixels, max_pixels], as the
@@ -129,24 +140,31 @@ class PromptEncoder:
         and its prompt would be refused for its length only after all were decoded."""
         images, tokens = [], 0
         for k, source in enumerate(sources):
-            name = source if isinstance(source, str) else f"{k} ({len(source)} bytes)"
+            name = shown(source) if isinstance(source, str) else f"{k} ({len(source)} bytes)"
             try:
-                size = self.loaded_size(source)
-            except Exception as err:  # noqa: BLE001 - as load_image's, below
-                raise DataError(f"{where}: cannot read image {name} ({err})") from None
-            try:
-                tokens += self.image_tokens(*size)
-            except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
-                raise DataError(f"{where}: cannot use its image ({err})") from None
-            if tokens > self.max_prompt_tokens:
-                raise DataError(f"{where}: its first {k + 1} images alone take {tokens} tokens > "
-                                f"data.max_prompt_tokens={self.max_prompt_tokens} (refused before decoding them)")
-            try:
-                images.append(self.load_image(source))
+                image, tokens = self._counted_image(source, k, tokens)
+            except _Refused as err:
+                raise DataError(f"{where}: {err}") from None
             except Exception as err:  # noqa: BLE001 - PIL's decoders raise many types (OSError,
                 # SyntaxError, ValueError, EOFError, DecompressionBomb*) for a corrupt user file
                 raise DataError(f"{where}: cannot read image {name} ({err})") from None
+            images.append(image)
         return images
+
+    def _counted_image(self, source: str | bytes, k: int, tokens: int) -> tuple[Image.Image, int]:
+        """Image `k` of a row whose images before it took `tokens`: (it, decoded, and the
+        tokens with it), or _Refused past data.max_prompt_tokens before it is decoded. The file
+        is read once: its header counted, its pixels decoded from the same bytes. (A function of
+        its own: the opened file and its bytes go when it returns, not when the next is read.)"""
+        with self._header_then_pixels(source) as (size, decode):
+            try:
+                tokens += self.image_tokens(*size)
+            except ValueError as err:  # e.g. smart_resize: "absolute aspect ratio must be smaller than 200"
+                raise _Refused(f"cannot use its image ({err})") from None
+            if tokens > self.max_prompt_tokens:
+                raise _Refused(f"its first {k + 1} images alone take {tokens} tokens > "
+                               f"data.max_prompt_tokens={self.max_prompt_tokens} (refused before decoding them)")
+            return self._processed(decode()), tokens
 
     def encode(self, row: dict, index: int) -> Prompt:
         """A canonical dataset row -> Prompt (its image parts' files are loaded here)."""
@@ -162,7 +180,7 @@ class PromptEncoder:
             try:
                 clips.append(read_clip(part, self.max_frames, self.load_video_frame, self.video_files.read))
             except Exception as err:  # noqa: BLE001 - as for images, decoders raise many types
-                name = part["video"] if isinstance(part["video"], str) else f"{k} ({len(part['video'])} frames)"
+                name = shown(part["video"]) if isinstance(part["video"], str) else f"{k} ({len(part['video'])} frames)"
                 raise DataError(f"{where}: cannot read video {name} ({err})") from None
         return self.encode_with_images(row, images, index, clips)
 

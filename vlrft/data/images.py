@@ -36,7 +36,12 @@ def load_rgb_image(source, max_pixels: int | None = None) -> Image.Image:
     `[min_pixels, max_pixels]` anyway) never holds a full-size float copy of a huge photo.
     """
     with opened(source) as img:
-        rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
+        return rgb_image(img, max_pixels)
+
+
+def rgb_image(img: Image.Image, max_pixels: int | None) -> Image.Image:
+    """An opened image decoded as `load_rgb_image` returns it."""
+    rgb = img.convert("RGB")  # first: `reduce` does not take every mode (palette, 1-bit)
     rgb.info.clear()  # (`convert` copies it: kept, a PNG's text would live as long as its prompt)
     return shrunk(rgb, max_pixels)
 
@@ -47,13 +52,19 @@ def shrunk(rgb: Image.Image, max_pixels: int | None) -> Image.Image:
     return rgb.reduce(factor) if factor >= 2 else rgb
 
 
-def loaded_size(source, max_pixels: int | None = None) -> tuple[int, int]:
-    """(width, height) of what `load_rgb_image(source, max_pixels)` returns, from the header
-    alone: nothing decoded."""
-    with opened(source) as img:
-        width, height = img.size
+def reduced_size(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
+    """The size `shrunk` leaves an image of `width` x `height`."""
     factor = reduction(width, height, max_pixels)
     return (-(-width // factor), -(-height // factor)) if factor >= 2 else (width, height)  # reduce rounds up
+
+
+@contextlib.contextmanager
+def header_then_pixels(source, max_pixels: int | None = None):
+    """The image read once: yields (the size `load_rgb_image` would return, from the header
+    alone; a function that decodes it as `load_rgb_image` does), for a caller that checks the
+    size before paying for the pixels."""
+    with opened(source) as img:
+        yield reduced_size(*img.size, max_pixels), lambda: rgb_image(img, max_pixels)
 
 
 @contextlib.contextmanager

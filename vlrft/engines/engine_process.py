@@ -116,7 +116,7 @@ def _error(error: Exception) -> tuple[str, tuple[str, bool]]:
 
 
 # What the rollout side reads of an engine besides its methods (absent: the engine default).
-ENGINE_TRAITS = ("continues_image_prompts", "scores_images")
+ENGINE_TRAITS = ("continues_image_prompts", "scores_images", "weight_dtype")
 
 
 def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokenizer, stop_ids: list[int],
@@ -275,6 +275,10 @@ class EngineProcess:
 
     def prefix_cache_counts(self) -> tuple[float, float]:
         return self._call("prefix_cache_counts")
+
+    def served_digests(self) -> dict[str, int]:
+        """The engine's digests of what it serves (checked only where it has `weight_dtype`)."""
+        return self._call("served_digests")
 
     def sleep(self) -> None:
         self._call("sleep")

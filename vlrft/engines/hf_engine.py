@@ -21,6 +21,7 @@ from vlrft import progress
 from vlrft.distributed import device
 from vlrft.engines.base import SamplingParams, make_rollout
 from vlrft.engines.static_decode import StaticDecoder, cuda_graphs, resolve_decode
+from vlrft.engines.weight_digest import tensor_digest
 from vlrft.models.collate import concat_mm_inputs, gather_responses, mm_token_type_ids
 from vlrft.models.forward import policy_forward
 from vlrft.models.packing import pack, prompt_positions
@@ -192,6 +193,17 @@ class HFEngine:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Copies of the weights it serves, on the CPU, by the names `update_weights` takes."""
         return ((name, param.detach().to("cpu", copy=True)) for name, param in self.model.named_parameters())
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype it holds its weights in (a sync casts what it is sent to it)."""
+        return next(self.model.parameters()).dtype
+
+    def served_digests(self) -> dict[str, int]:
+        """The digest (engines/weight_digest.py) of every weight it serves, by name, as held in
+        `weight_dtype`."""
+        dtype = self.weight_dtype
+        return {name: tensor_digest(param, dtype) for name, param in self.model.named_parameters()}
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,6 +1,6 @@
 """Colocated vLLM rollout engine: one engine inside every rank (SPMD), tensor-parallel over
-`tp_size` consecutive ranks. The only module that imports vllm (imported lazily, so request
-construction and the group arithmetic are testable without it)."""
+`tp_size` consecutive ranks. With vllm_digest.py the only modules that import vllm (lazily, so
+request construction and the group arithmetic are testable without it)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from vlrft.errors import ConfigError
 from vlrft.distributed import all_gather_objects, before_shutdown, new_groups, rank, world_size
 from vlrft.engines.base import SamplingParams, derived_seed, make_rollout
+from vlrft.engines.vllm_digest import engine_name_of, group_digests, record_cpu_gemm_digests, worker_digests
 from vlrft.models.loader import is_vision_language, tied_parameter_aliases
 from vlrft.types import Prompt, Rollout
 
@@ -176,6 +177,12 @@ class VLLMEngine:
         self.new_weights: Callable[[], bool] | None = None
         self._in_flight: dict[str, PartialResponse] = {}  # partial generation's requests now in vLLM
         self._paused: list[int] = []  # and those update_weights took out, by response index
+        # The exact sync check (engines/vllm_digest.py): the dtype it holds weights in, and the
+        # element count each of its parameters was last sent (whole on every rank, or sharded).
+        self.weight_dtype = getattr(torch, dtype)
+        self._sent_numel: dict[str, int] = {}
+        if not torch.cuda.is_available():
+            record_cpu_gemm_digests(self.weight_dtype)
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=tp_size,
@@ -205,6 +212,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             disable_log_stats=False,
         )
+        self.digest_name = engine_name_of(self.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0])
         # vLLM tears its groups down when it shuts down (at exit otherwise, after the process
         # group it built them in is gone: a ValueError traceback at the end of every run).
         before_shutdown(self.llm.llm_engine.engine_core.shutdown)
@@ -337,13 +345,28 @@ class VLLMEngine:
         if first is None:  # a version without tensors (a frozen actor's): nothing to reload
             return
         self._pause_in_flight()
-        weights = checkpoint_format(itertools.chain([first], stream), self.aliases)
+        self._sent_numel = {}
+        weights = checkpoint_format(self._counted(itertools.chain([first], stream)), self.aliases)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         # Likewise cached image features: reload_weights drops the runner's copies but not the
         # scheduler's record of them (only a sleep clears both), so the next generate of a
         # cached image would miss.
         self.llm.llm_engine.reset_encoder_cache()
+
+    def _counted(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            target = self.digest_name(name)
+            if target is not None:
+                self._sent_numel[target] = self._sent_numel.get(target, 0) + tensor.numel()
+            yield name, tensor
+
+    def served_digests(self) -> dict[str, int]:
+        """The digest of every parameter it serves, by vLLM's name, over its tensor-parallel
+        group (a collective of the group)."""
+        (local,) = self.llm.collective_rpc(worker_digests, args=(self.weight_dtype,))
+        per_rank = all_gather_objects(local, group=self.group) if self.group is not None else [local]
+        return group_digests(per_rank, self._sent_numel)
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory (weights offloaded, KV cache dropped) for training."""

@@ -172,11 +172,13 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
             live = None
             if cfg.train.ema_beta > 0 and version > 0:  # the trainers send the policy EMA after this version: it is evaluated
                 live = list(trainer.engine.named_weights())
-                receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine, header=EMA_HEADER)
+                receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version,
+                                lambda named: trainer.guards.digests.update(named, f"at EMA weights version {version}"),
+                                header=EMA_HEADER)
             stop_if_a_peer_stopped()
             metrics = trainer.evaluate_engine()  # a collective of the rollout ranks
             if live is not None:
-                trainer.engine.update_weights(live)
+                trainer.guards.digests.update(live, f"after evaluating the EMA of version {version}")
             trainer.engine.new_weights = hook
             if trainer.rank == 0:  # the same numbers on every rollout rank: one posts them
                 board.post_evaluation(version, metrics)

@@ -110,7 +110,7 @@ def load_checkpoint(trainer, path: Path) -> None:
     restore_models(trainer, path, state)
     if trainer.role == "trainer":  # the rollout ranks get the restored policy as its step's version
         trainer.engine.resume_at(trainer.global_step)
-    trainer.engine.update_weights(trainer.policy_weights())  # serve the restored policy
+    trainer.guards.digests.update(trainer.policy_weights(), f"after resuming from {path.name}")  # serve the restored policy
     if trainer.rank == 0:
         print(f"vlrft: resumed from {path} at step {trainer.global_step}", flush=True)
     with restoring(rank_file):

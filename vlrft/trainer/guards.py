@@ -16,7 +16,8 @@ from vlrft.config import GuardsConfig
 from vlrft.distributed import all_gather_1d, all_gather_objects
 from vlrft.isolation.budget import CALL_KINDS, STEP_BUDGET
 from vlrft.trainer.run_health import Collapse, CollapseError, HealthWatch
-from vlrft.trainer.sync_check import SyncCheck
+from vlrft.engines.weight_digest import DigestCheck
+from vlrft.trainer.sync_check import SyncCheck, gap_limit
 from vlrft.models.compiled_layers import compiled_frames
 from vlrft.trainer.watches import (
     CompileWatch,
@@ -32,13 +33,19 @@ from vlrft.types import Experience
 
 
 class RunGuards:
+    """`engine`: the one beside this rank's policy, None on an async trainer (it has none);
+    `probes`: whether the logprob probe can run there (the policy and the engine on one rank)."""
+
     def __init__(self, cfg: GuardsConfig, engine, engine_name: str, component_names: list[str], rank: int,
-                 accuracy_component: str = ""):
+                 accuracy_component: str = "", probes: bool = True, dtype: str = "float32"):
         self.cfg, self.rank = cfg, rank
         self.health = HealthWatch(cfg.collapse_drop, cfg.collapse_window, cfg.plateau_patience, cfg.plateau_tolerance,
                                   accuracy_component)
         self.component_names = component_names
-        self.sync = SyncCheck(engine, engine_name, cfg.sync_max_logprob_gap)
+        self.sync = SyncCheck(engine if probes else None, engine_name,
+                              gap_limit(cfg.sync_max_logprob_gap, engine_name, dtype))
+        # Every weight update of the engine goes through it (sync, resume, rollback, async delivery).
+        self.digests = DigestCheck(engine, engine_name, cfg.sync_digest)
         self.components = ComponentWatch(cfg.component_patience)
         self.memory = {"perf/host_rss_gib": MemoryWatch(cfg.memory_window),
                        "perf/cuda_allocated_gib": MemoryWatch(cfg.memory_window)}
@@ -52,7 +59,8 @@ class RunGuards:
         self.sync.before_update(model, experiences)
 
     def after_sync(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        return self.sync.after_sync(model, step)
+        metrics = {"perf/sync_digest_seconds": self.digests.seconds} if self.digests.enabled else {}
+        return metrics | self.sync.after_sync(model, step)
 
     def after_step(self, generated: list[Experience]) -> dict[str, float]:
         """Slowest calls, stuck components and memory of the step (a collective); warns."""

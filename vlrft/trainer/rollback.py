@@ -60,7 +60,8 @@ def roll_back(trainer, collapse: Collapse) -> dict[str, float]:
     trainer.backend.scale_lr(factor)
     trainer.rollbacks.to_steps.add(step)
     trainer.rollbacks.lr_scale *= factor
-    trainer.engine.update_weights(trainer.policy_weights())  # the next rollouts come from the restored policy
+    # The next rollouts come from the restored policy.
+    trainer.guards.digests.update(trainer.policy_weights(), f"after rolling back to {target.name}")
     if trainer.rank == 0:
         print(f"vlrft: rolled back to {target} after the collapse from step {collapse.started}: the policy of step "
               f"{step}, learning rate x{factor:g} from now on ({trainer.backend.lr:.3g}; guards.on_collapse: rollback)",

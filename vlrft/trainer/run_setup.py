@@ -163,10 +163,10 @@ def setup_maker(cfg: Config, engine, models: Models, rewards: RewardMix, control
 
 def setup_guards(cfg: Config, engine, process: Process, rewards: RewardMix) -> RunGuards:
     """The run's watches (guards.*). The weight-sync probe needs the engine beside the policy:
-    off on the roles of async training."""
-    checked_engine = engine if process.role == "both" else None
+    off on the roles of async training; the digests are checked where an engine loads weights."""
     accuracy = component_name(RecipeSpec(recipe=cfg.reward.accuracy_recipe))
-    return RunGuards(cfg.guards, checked_engine, cfg.rollout.engine, rewards.component_names(), process.rank, accuracy)
+    return RunGuards(cfg.guards, engine, cfg.rollout.engine, rewards.component_names(), process.rank, accuracy,
+                     probes=process.role == "both", dtype=cfg.model.compute_dtype)
 
 
 def setup_policy_ema(cfg: Config, trains: bool, policy_weights: Callable) -> dict[str, torch.Tensor] | None:

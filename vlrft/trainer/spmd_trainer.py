@@ -278,7 +278,7 @@ class SPMDTrainer:
                     self.policy_ema[name].lerp_(tensor.float().cpu(), 1.0 - beta)
                 yield name, tensor
 
-        self.engine.update_weights(params())
+        self.guards.digests.update(params(), f"after step {self.global_step}")
 
     def policy_weights(self):
         """(HF name, full tensor) of the policy as the engine and exports see it: a LoRA
@@ -317,10 +317,10 @@ class SPMDTrainer:
         if not self.eval_sources or not self.cfg.eval.every_steps:
             return
         if self.policy_ema is not None:  # evaluate the EMA policy, then restore the live one
-            self.engine.update_weights(self.policy_ema.items())
+            self.guards.digests.update(self.policy_ema.items(), f"of the policy EMA at step {step}")
         metrics = self.evaluate_engine()
         if self.policy_ema is not None:
-            self.engine.update_weights(self.policy_weights())
+            self.guards.digests.update(self.policy_weights(), f"after evaluating the policy EMA at step {step}")
         self.eval_history.append((step, metrics["eval/accuracy"]))
         self.logger.log(step, metrics)
 

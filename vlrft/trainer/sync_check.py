@@ -31,6 +31,25 @@ from vlrft.types import Experience, Rollout
 # Logprobs are compared at temperature 1: the check is about weights, not sampling settings.
 PROBE_TEMPERATURE = 1.0
 
+# The limit of `sync/logprob_gap` per engine and precision (`model.compute_dtype`) where
+# guards.sync_max_logprob_gap is not set: ten times the largest gap of healthy runs, rounded up,
+# and at least 1e-3 (fp32 on a GPU changes kernels, not precision); the measurements are in
+# docs/guards.md. Rounding never trips it; a stale layer of an fp32 engine (0.02) does. The
+# digest check (engines/weight_digest.py) is the exact one; this probe is for what a digest
+# cannot see (processor, attention implementation, dtype of the computation).
+GAP_LIMITS = {
+    ("hf", "float32"): 1e-3,  # largest healthy gap 2.9e-7
+    ("hf", "bfloat16"): 0.2,  # 0.0157
+    ("vllm", "float32"): 1e-3,  # 1.8e-6
+    ("vllm", "bfloat16"): 0.2,  # 0.0175
+}
+DEFAULT_GAP_LIMIT = 0.2  # an engine or precision not measured (a plugin engine)
+
+
+def gap_limit(configured: float | None, engine_name: str, dtype: str) -> float:
+    """guards.sync_max_logprob_gap if set, else the measured limit of the engine and precision."""
+    return configured if configured is not None else GAP_LIMITS.get((engine_name, dtype), DEFAULT_GAP_LIMIT)
+
 
 class SyncError(VlrftError, RuntimeError):
     """The engine does not serve the trained policy after a sync; one-line message."""

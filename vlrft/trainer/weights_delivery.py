@@ -154,4 +154,5 @@ def take_version(trainer, board: VersionBoard, version: int, stop_if_the_trainer
         wait_until(lambda: board.newest() >= version)
         board.ready(version, global_rank())
         wait_until(lambda: board.sending(trainer.weights.mine) >= version)
-        return receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version, trainer.engine)
+        return receive_weights(trainer.weights.group, WEIGHTS_SOURCE, version,
+                               lambda named: trainer.guards.digests.update(named, f"at weights version {version}"))

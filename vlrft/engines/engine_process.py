@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from vlrft.engines.weight_digest import ENGINE_DIGEST_API
 from vlrft.errors import ConfigError, VlrftError
 from vlrft.workers import error_text, exit_text, one_line
 
@@ -140,7 +141,10 @@ def _serve(conn, env: dict[str, str], parent: int, engine_name: str, cfg, tokeni
     except Exception as error:
         conn.send(_error(error))
         exit_process(1)
-    conn.send(("ok", {name: getattr(engine, name) for name in ENGINE_TRAITS if hasattr(engine, name)}))
+    traits = {name: getattr(engine, name) for name in ENGINE_TRAITS if hasattr(engine, name)}
+    if not all(hasattr(engine, name) for name in ENGINE_DIGEST_API):  # (the digest check needs all of it)
+        traits.pop("weight_dtype", None)
+    conn.send(("ok", traits))
 
     def poll_rollout_rank() -> bool:
         """Partial rollouts' hook, between two decoding steps: the rollout rank's own hook runs
@@ -279,6 +283,9 @@ class EngineProcess:
     def served_digests(self) -> dict[str, int]:
         """The engine's digests of what it serves (checked only where it has `weight_dtype`)."""
         return self._call("served_digests")
+
+    def expected_digests(self, sent: dict[str, int]) -> dict[str, int]:
+        return self._call("expected_digests", sent)
 
     def sleep(self) -> None:
         self._call("sleep")

@@ -205,6 +205,10 @@ class HFEngine:
         dtype = self.weight_dtype
         return {name: tensor_digest(param, dtype) for name, param in self.model.named_parameters()}
 
+    def expected_digests(self, sent: dict[str, int]) -> dict[str, int]:
+        """The trainer's digests by the names it serves them under: its own."""
+        return sent
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())

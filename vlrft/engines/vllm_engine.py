@@ -17,6 +17,7 @@ from vlrft.errors import ConfigError
 from vlrft.distributed import all_gather_objects, before_shutdown, new_groups, rank, world_size
 from vlrft.engines.base import SamplingParams, derived_seed, make_rollout
 from vlrft.engines.vllm_digest import engine_name_of, group_digests, record_cpu_gemm_digests, worker_digests
+from vlrft.engines.weight_digest import by_engine_name
 from vlrft.models.loader import is_vision_language, tied_parameter_aliases
 from vlrft.types import Prompt, Rollout
 
@@ -212,7 +213,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             disable_log_stats=False,
         )
-        self.digest_name = engine_name_of(self.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0])
+        self._engine_name = engine_name_of(self.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0])
         # vLLM tears its groups down when it shuts down (at exit otherwise, after the process
         # group it built them in is gone: a ValueError traceback at the end of every run).
         before_shutdown(self.llm.llm_engine.engine_core.shutdown)
@@ -356,10 +357,14 @@ class VLLMEngine:
 
     def _counted(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
-            target = self.digest_name(name)
+            target = self._engine_name(name)
             if target is not None:
                 self._sent_numel[target] = self._sent_numel.get(target, 0) + tensor.numel()
             yield name, tensor
+
+    def expected_digests(self, sent: dict[str, int]) -> dict[str, int]:
+        """The trainer's digests summed into the parameters vLLM loads them into."""
+        return by_engine_name(sent, self._engine_name)
 
     def served_digests(self) -> dict[str, int]:
         """The digest of every parameter it serves, by vLLM's name, over its tensor-parallel

@@ -142,11 +142,16 @@ def digest_problem(sent: dict[str, int], served: dict[str, int], before: dict[st
             f"trainer sent: " + "; ".join(parts) + " (guards.sync_digest)")
 
 
+# What an engine gives for the check: the dtype it holds weights in; its digest of each tensor
+# it serves, by its own names; and the trainer's digests (by HF name) summed into those names.
+ENGINE_DIGEST_API = ("weight_dtype", "served_digests", "expected_digests")
+
+
 class DigestCheck:
     """Wraps an engine's weight updates: `update(named_tensors, where)` sends them and raises
-    WeightDigestError unless the engine then serves exactly what was sent. Engines that cannot
-    report digests (no `served_digests` and `weight_dtype`: the async trainers' delivery to the
-    rollout ranks, which check on arrival) are updated unchecked.
+    WeightDigestError unless the engine then serves exactly what was sent. Engines without
+    ENGINE_DIGEST_API (the async trainers' delivery to the rollout ranks, which check on arrival)
+    are updated unchecked.
 
     The engine digests each tensor as its `weight_dtype` holds it (tensor_digest(t, weight_dtype)):
     a tensor it keeps in a wider dtype, loaded from the trainer's values, serves them as their
@@ -154,7 +159,7 @@ class DigestCheck:
 
     def __init__(self, engine, engine_name: str, enabled: bool = True):
         self.engine, self.engine_name = engine, engine_name
-        self.enabled = enabled and hasattr(engine, "served_digests") and hasattr(engine, "weight_dtype")
+        self.enabled = enabled and all(hasattr(engine, name) for name in ENGINE_DIGEST_API)
         self.previous: dict[str, int] = {}
         self.seconds = 0.0  # the last update's digests, both sides (metric perf/sync_digest_seconds)
 
@@ -172,8 +177,7 @@ class DigestCheck:
         start = time.perf_counter()
         served = self.engine.served_digests()
         self.seconds = sent.seconds + time.perf_counter() - start
-        engine_name = getattr(self.engine, "digest_name", None)  # (vLLM's names for the trainer's)
-        expected = by_engine_name(sent.digests, engine_name) if engine_name else sent.digests
+        expected = self.engine.expected_digests(sent.digests)  # (by the engine's names: vLLM fuses some)
         problem = digest_problem(expected, served, self.previous, self.engine_name, where)
         if problem:
             raise WeightDigestError(problem)

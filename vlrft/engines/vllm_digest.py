@@ -25,11 +25,11 @@ from vlrft.engines.weight_digest import add_digests, tensor_digest
 PACKED_DIGEST = "vlrft_weight_digest"  # attribute of a CPU linear layer: (digest, numel) of its packed weight
 
 
-def record_cpu_gemm_digests(dtype: torch.dtype) -> None:
-    """Wrap vLLM's CPU GEMM dispatch (called for every linear layer after each load) so that it
-    records the weight's digest (as `dtype` holds it) before it packs and frees it. Idempotent."""
-    from vllm.model_executor.layers import utils
-
+def record_cpu_gemm_digests(utils, dtype: torch.dtype) -> None:
+    """Wrap vLLM's CPU GEMM dispatch (`utils`: vllm.model_executor.layers.utils, handed over by
+    vllm_engine.py, the one module that imports vllm; called for every linear layer after each
+    load) so that it records the weight's digest (as `dtype` holds it) before it packs and frees
+    it. Idempotent."""
     dispatch = utils.dispatch_cpu_unquantized_gemm
     if getattr(dispatch, "records_digest", False):
         return

@@ -1,6 +1,6 @@
 """Colocated vLLM rollout engine: one engine inside every rank (SPMD), tensor-parallel over
-`tp_size` consecutive ranks. With vllm_digest.py the only modules that import vllm (lazily, so
-request construction and the group arithmetic are testable without it)."""
+`tp_size` consecutive ranks. The only module that imports vllm (lazily, so request construction
+and the group arithmetic are testable without it)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,9 @@ class VLLMEngine:
         self.weight_dtype = getattr(torch, dtype)
         self._sent_numel: dict[str, int] = {}
         if not torch.cuda.is_available():
-            record_cpu_gemm_digests(self.weight_dtype)
+            from vllm.model_executor.layers import utils as vllm_layer_utils
+
+            record_cpu_gemm_digests(vllm_layer_utils, self.weight_dtype)
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=tp_size,

@@ -12,6 +12,7 @@ import sys
 from typing import NoReturn
 
 from vlrft.config import load_config
+from vlrft.console import say
 from vlrft.errors import ConfigError, VlrftError
 from vlrft.models.teacher_server_cli import add_teacher_server_flags, teacher_server_options
 from vlrft.rewards.server_cli import add_reward_server_guards, reward_server_options
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlrft: error: --kwargs is not valid JSON ({err})", file=sys.stderr)
         return 2
     except VlrftError as err:  # a user's mistake: one line, no traceback
-        print(f"vlrft: error: {err}", file=sys.stderr)
+        say(f"vlrft: error: {err}", sys.stderr)
         return 2
     return 0
 
@@ -100,7 +101,7 @@ def run_training(cfg) -> int:
         # SIGTERM, which would kill a rank that had a signal already (its handler is gone).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if trainer.writes_output:
-            print(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)", flush=True)
+            say(f"vlrft: {stopped}; run the same command again to resume (checkpoint.resume: auto)")
         shutdown_distributed()
         return 128 + stopped.signum
     except VlrftError as err:  # a user's mistake: one line, no traceback

@@ -39,6 +39,7 @@ import time
 import traceback
 
 from vlrft import progress
+from vlrft.console import say
 from vlrft.lost_connection import lost_connection
 
 TICK_S = 1.0
@@ -236,10 +237,10 @@ class RankWatch:
             # A death found in doubt is the whole story: where this rank's main thread waits
             # (for the dead peer) adds nothing.
             at = "" if _DOUBT.is_set() else f" [its main thread is at {main_thread_at()}]"
-            print(f"vlrft: {rank_name(self.rank)} stops: {reason}{at}", file=sys.stderr, flush=True)
+            say(f"vlrft: {rank_name(self.rank)} stops: {reason}{at}", sys.stderr)
             if claimed:
                 if not _DOUBT.is_set():
-                    print(self.where_report(), file=sys.stderr, flush=True)
+                    say(self.where_report(), sys.stderr)
                 # Every rank is alive in a stall and reads the record; a dead rank never does.
                 self._record(reason, expected=self.world if self.stalled else self.world - 1)
             elif not self.store_lost:
@@ -301,7 +302,7 @@ class RankWatch:
         """This rank failed: print `message` (here only, so it appears once), then record
         `reason` (one line naming this rank) so that every other rank stops on it."""
         self._hold_off()
-        print(message, file=sys.stderr, flush=True)
+        say(message, sys.stderr)
         if self.active:
             self._record(reason, expected=self.world)
 
@@ -362,8 +363,8 @@ class RankWatch:
         except Exception:  # noqa: BLE001 - the store is gone: so is whoever hosted it
             return
         for peer in sorted(gone):  # silent without having stopped: killed (torchrun's signal to the others may say so)
-            print(f"vlrft: {rank_name(self.rank)} stops: {rank_name(peer)} died or stopped answering (it went silent "
-                  f"without stopping)", file=sys.stderr, flush=True)
+            say(f"vlrft: {rank_name(self.rank)} stops: {rank_name(peer)} died or stopped answering (it went silent "
+                f"without stopping)", sys.stderr)
 
 
 def main_thread_at() -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from vlrft.console import say
 from vlrft.data.columns import Columns
 from vlrft.data.dataset import DataError, read_rows
 from vlrft.data.encoding import PromptEncoder
@@ -38,7 +39,7 @@ class BadInput:
 
     def _say(self, message: str) -> None:
         where = f"rank {self.rank}: " if self.world_size > 1 else ""
-        print(f"vlrft: {where}{message}", flush=True)
+        say(f"vlrft: {where}{message}")
 
     def load(self, path: str | Path) -> list[dict]:
         """The valid rows of a data set (every rank reads all of it; rank 0 reports)."""
@@ -46,8 +47,8 @@ class BadInput:
         self.skipped_rows += len(problems)
         if problems and self.rank == 0:
             for problem in problems:
-                print(f"vlrft: skipping {problem} (on_bad_sample: skip)", flush=True)
-            print(f"vlrft: skipped {len(problems)} bad rows of {path} (on_bad_sample: skip)", flush=True)
+                say(f"vlrft: skipping {problem} (on_bad_sample: skip)")
+            say(f"vlrft: skipped {len(problems)} bad rows of {path} (on_bad_sample: skip)")
         return rows
 
     def encode(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from vlrft.config import GuardsConfig
+from vlrft.console import say
 from vlrft.distributed import all_gather_1d, all_gather_objects
 from vlrft.isolation.budget import CALL_KINDS, STEP_BUDGET
 from vlrft.trainer.run_health import Collapse, CollapseError, HealthWatch
@@ -82,7 +83,7 @@ class RunGuards:
         self.rollback_due = collapse if self.cfg.on_collapse == "rollback" else None
         for line in lines:
             if self.rank == 0:
-                print(line, flush=True)
+                say(line)
         return {"guards/collapse": float(collapse is not None),
                 "guards/plateau": float(any(": warning: plateau" in line for line in lines))}
 
@@ -94,9 +95,9 @@ class RunGuards:
             return {}
         new, streak = self.compiles.update(frames)
         if streak:
-            print(f"vlrft: warning: rank {self.rank}: torch.compile compiled again at each of the last "
-                  f"{self.compiles.patience} steps ({new} frames this step): something the compiled code depends on "
-                  "changes every step; TORCH_LOGS=recompiles names it (model.compile)", flush=True)
+            say(f"vlrft: warning: rank {self.rank}: torch.compile compiled again at each of the last "
+                f"{self.compiles.patience} steps ({new} frames this step): something the compiled code depends on "
+                "changes every step; TORCH_LOGS=recompiles names it (model.compile)")
         return {"perf/compiles": float(new)}
 
     def _components(self, generated: list[Experience]) -> dict[str, float]:
@@ -105,9 +106,9 @@ class RunGuards:
         for name in self.components.update(stuck):
             if self.rank == 0:
                 paying = ", ".join(n for n in self.component_names if n not in stuck)
-                print(f"vlrft: warning: reward component '{name}' gave every sample the same score (0 or less) for "
-                      f"{self.cfg.component_patience} steps while {paying} paid out: a broken verifier, or a task "
-                      "too hard for the policy yet (guards.component_patience)", flush=True)
+                say(f"vlrft: warning: reward component '{name}' gave every sample the same score (0 or less) for "
+                    f"{self.cfg.component_patience} steps while {paying} paid out: a broken verifier, or a task "
+                    "too hard for the policy yet (guards.component_patience)")
         return {"reward/stuck_components": float(len(stuck))}
 
     def _memory(self) -> dict[str, float]:
@@ -116,8 +117,8 @@ class RunGuards:
             watch = self.memory.get(key)
             slope = watch.update(value * 2**30) if watch is not None else None
             if slope is not None:
-                print(f"vlrft: warning: rank {self.rank}: {key.split('/')[1]} grew at every one of the last "
-                      f"{self.cfg.memory_window} steps, by {slope / MIB:.1f} MiB per step (now {value:.2f} GiB): "
-                      "something is kept from step to step (guards.memory_window)", flush=True)
+                say(f"vlrft: warning: rank {self.rank}: {key.split('/')[1]} grew at every one of the last "
+                    f"{self.cfg.memory_window} steps, by {slope / MIB:.1f} MiB per step (now {value:.2f} GiB): "
+                    "something is kept from step to step (guards.memory_window)")
         values = all_gather_1d(torch.tensor(list(mine.values()), dtype=torch.float64)).view(-1, len(mine))
         return dict(zip(mine, values.max(dim=0).values.tolist()))  # the largest rank's

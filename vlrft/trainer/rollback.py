@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlrft.console import say
 from vlrft.distributed import broadcast_from_rank0
 from vlrft.trainer.checkpoint import checkpoint_step, complete_checkpoints
 from vlrft.trainer.checkpoint_io import restore_models
@@ -48,9 +49,9 @@ def roll_back(trainer, collapse: Collapse) -> dict[str, float]:
     trainer.guards.health.reset()  # the restored policy starts a new history
     if target is None:
         if trainer.rank == 0:
-            print(f"vlrft: warning: no checkpoint from before step {collapse.started - 1} to roll back to "
-                  f"(checkpoint.save_steps {trainer.cfg.checkpoint.save_steps}, checkpoint.keep_last "
-                  f"{trainer.cfg.checkpoint.keep_last}): training goes on", flush=True)
+            say(f"vlrft: warning: no checkpoint from before step {collapse.started - 1} to roll back to "
+                f"(checkpoint.save_steps {trainer.cfg.checkpoint.save_steps}, checkpoint.keep_last "
+                f"{trainer.cfg.checkpoint.keep_last}): training goes on")
         return {}
     step = checkpoint_step(target)
     if step in trainer.rollbacks.to_steps:
@@ -63,7 +64,6 @@ def roll_back(trainer, collapse: Collapse) -> dict[str, float]:
     # The next rollouts come from the restored policy.
     trainer.guards.digests.update(trainer.policy_weights(), f"after rolling back to {target.name}")
     if trainer.rank == 0:
-        print(f"vlrft: rolled back to {target} after the collapse from step {collapse.started}: the policy of step "
-              f"{step}, learning rate x{factor:g} from now on ({trainer.backend.lr:.3g}; guards.on_collapse: rollback)",
-              flush=True)
+        say(f"vlrft: rolled back to {target} after the collapse from step {collapse.started}: the policy of step "
+            f"{step}, learning rate x{factor:g} from now on ({trainer.backend.lr:.3g}; guards.on_collapse: rollback)")
     return {"guards/rollback": 1.0, "guards/rollback_to_step": float(step), "train/lr_scale": trainer.rollbacks.lr_scale}

@@ -14,6 +14,7 @@ import torch
 
 from vlrft.algo.shaping import ZeroRewardWatch
 from vlrft.config import Config
+from vlrft.console import say
 from vlrft.experience.replay_buffer import ReplayBuffer
 from vlrft.models.lora import dropout_active, export_lora, merged_weights
 from vlrft.rewards.mix import RewardError
@@ -352,4 +353,4 @@ class SPMDTrainer:
         if stop:
             raise RewardError(problem)
         if self.zero_reward_watch.warn_now() and self.rank == 0:
-            print(f"vlrft: warning: {problem} (algo.zero_reward_patience makes this an error)", flush=True)
+            say(f"vlrft: warning: {problem} (algo.zero_reward_patience makes this an error)")

@@ -17,6 +17,7 @@ from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
+from vlrft.console import say
 from vlrft.experience.maker import CorrectionSettings
 from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
 from vlrft.metrics.flops import FlopCount, throughput_metrics
@@ -102,7 +103,7 @@ def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[Micro
     for i, batch in enumerate(batches):
         problem = None if batch.dummy else check.first_problem(batch.samples)
         if problem is not None:
-            print(f"vlrft: skipping a micro-batch: {problem}", flush=True)
+            say(f"vlrft: skipping a micro-batch: {problem}")
             local[i] = 1.0
     bad = (all_reduce_sum(local) > 0).tolist()
     return [b for b, skip in zip(batches, bad) if not skip], int(sum(bad))
@@ -131,10 +132,9 @@ def step_or_skip(backend: TrainBackend, nonfinite: int, what: str) -> float | No
     backend.skip_step()
     if rank() == 0:
         ranks = ", ".join(str(r) for r in per_rank.nonzero().flatten().tolist())
-        print(
+        say(
             f"vlrft: skipped a {what} optimizer step: non-finite loss in {int(per_rank.sum())} micro-batch(es) "
             f"on rank {ranks}; parameters and optimizer state unchanged",
-            flush=True,
         )
     return None
 

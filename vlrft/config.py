@@ -243,6 +243,10 @@ class TrainConfig:
     # The responses of one prompt share a single copy of the prompt (and its images) in each
     # micro-batch: the same logprobs and gradients for a fraction of the work (docs/scaling.md).
     share_prompts: bool = True
+    # Sequence parallelism: groups of this many consecutive ranks share each micro-batch, each
+    # rank holding 1/N of its tokens through the decoder (Ulysses; docs/scaling.md). The token
+    # budget above counts a rank's shard. 1 = off.
+    sequence_parallel: int = 1
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 0, 2 or 3
     # CPU offload (DeepSpeed): none | optimizer (Adam states + fp32 master weights in CPU memory,
     # stage >= 1) | all (parameters too, stage 3). Trades step time for GPU memory.

@@ -123,6 +123,7 @@ def validate(cfg: Config) -> None:
     POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
     _validate_algo(cfg)
     _validate_model(cfg.model, cfg.train.zero_stage)
+    _validate_sequence_parallel(cfg)
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
     if cfg.rollout.engine_tp_size < 1:
         raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")
@@ -221,6 +222,29 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'data.media_roots' has an empty entry; each names a directory")
     _validate_rewards(cfg.reward, cfg.sandbox.unsafe_no_isolation, cfg.teacher.enabled())
     _validate_distillation(cfg)
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    """What does not compose with train.sequence_parallel yet, each refused in one line."""
+    from vlrft.algo.kl import FULL_KL
+
+    sequence = cfg.train.sequence_parallel
+    if sequence < 1:
+        raise ConfigError(f"config key 'train.sequence_parallel' must be >= 1, got {sequence}")
+    if sequence == 1:
+        return
+    refused = [
+        (cfg.model.attention in ("sdpa", "flash_attention_2"),
+         f"model.attention {cfg.model.attention} (its block mask, or transformers' own kernel, cannot be split by "
+         "tokens; use auto, sdpa_segments or torch_varlen)"),
+        (cfg.train.mode == "async", "train.mode async (sequence parallelism runs in sync mode)"),
+        (cfg.algo.kl.estimator == FULL_KL and cfg.algo.kl.coef > 0, "algo.kl.estimator full (it needs every rank's logits)"),
+        (cfg.algo.moe_aux_coef > 0, "algo.moe_aux_coef (the router's loss would see a shard's tokens only)"),
+        (cfg.model.compile == "on", "model.compile on (the exchange inside a compiled layer is not measured yet)"),
+    ]
+    for clash, what in refused:
+        if clash:
+            raise ConfigError(f"config key 'train.sequence_parallel' ({sequence}) does not compose with {what}")
 
 
 def _validate_distillation(cfg: Config) -> None:
@@ -386,6 +410,9 @@ def _validate_algo(cfg: Config) -> None:
 
 def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> None:
     """Checks that need the launch's shape (at start, before models load)."""
+    sequence = cfg.train.sequence_parallel
+    if sequence > 1 and world_size % sequence:
+        raise ConfigError(f"config key 'train.sequence_parallel' ({sequence}) must divide the number of ranks ({world_size})")
     if cfg.train.mode == "async":
         rollout_ranks = cfg.rollout.ranks
         if rollout_ranks >= world_size:

@@ -455,3 +455,76 @@ def receive_weights(group, source: int, expected_version: int, load: Callable[[I
     load(received_weights(group, source))
     return expected_version
 
+
+
+# Sequence parallelism (models/sequence_parallel.py): the collectives of the ranks that share a
+# micro-batch, differentiable, so the backward runs the inverse exchange.
+
+
+def sequence_groups(size: int) -> tuple[object, int]:
+    """Groups of `size` consecutive ranks (each creates every group, in order): this rank's
+    group and its place in it."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    groups = new_groups([list(range(start, start + size)) for start in range(0, world, size)])
+    return groups[me // size], me % size
+
+
+def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """`x` cut into equal pieces along `scatter_dim`, piece i sent to rank i of `group`; what
+    arrives concatenated along `gather_dim` in rank order."""
+    pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter_dim))  # [N, ...piece]
+    arrived = torch.empty_like(pieces)
+    dist.all_to_all_single(arrived, pieces, group=group)
+    return torch.cat(arrived.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim: int, gather_dim: int, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _exchange(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Ulysses' exchange: e.g. [1, H, T/N, D] -> [1, H/N, T, D] with scatter_dim 1 (heads),
+    gather_dim 2 (tokens); its gradient goes back by the exchange with the dims swapped."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+class _GatherPieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes: tuple[int, ...], group):
+        ctx.sizes, ctx.group = sizes, group
+        longest = max(sizes)
+        padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, longest = ctx.sizes, max(ctx.sizes)
+        pieces = [torch.cat([g, g.new_zeros(longest - g.shape[0], *g.shape[1:])]) for g in grad.split(list(sizes))]
+        mine = grad.new_empty(longest, *grad.shape[1:])
+        # Every rank used the whole; the gradient of this rank's piece is the sum of their uses.
+        dist.reduce_scatter_tensor(mine, torch.cat(pieces).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return mine[: sizes[dist.get_rank(ctx.group)]], None, None
+
+
+def gather_pieces(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every rank's `x` ([sizes[rank], ...]) concatenated along dim 0 in rank order, on every
+    rank of `group`; backward: the sum over the ranks of each piece's gradient, to its owner."""
+    return _GatherPieces.apply(x, tuple(sizes), group)
+
+
+def sum_over(values: torch.Tensor, group) -> torch.Tensor:
+    """`values` summed over the ranks of `group` (no gradient): the pieces ranks computed of one
+    whole, each zero where another rank's piece is."""
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

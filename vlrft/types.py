@@ -132,6 +132,7 @@ class MicroBatch:
     dummy: bool = False  # a repeat that only keeps ranks in lock-step; contributes nothing
     seq_lengths: list[int] | None = None  # packed: each segment's length, in order
     segments: list[Segment] | None = None  # packed: the token runs of the row, in order
+    owned: bool = True  # this rank's samples (sequence parallelism: False for a peer's, run here too)
 
     def shares_prompts(self) -> bool:
         """Whether some response continues a prompt segment it shares with its siblings."""

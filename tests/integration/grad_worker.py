@@ -3,10 +3,11 @@
 Run under torchrun (any world size) or plain python (a world of one). Every rank builds the same
 8 experiences from a seed, keeps its share, runs vlrft's policy_update on a DeepSpeed ZeRO-2
 backend and, just before the optimizer step, records the full gradient. SHARE "strided" keeps
-rank::world_size; "balanced" gives rank 0 all but the last experience, then evens the tokens
+rank::world_size; "balanced" gives rank 0 all but the last experience (the last rank that one), then evens the tokens
 out with trainer/rank_balance (which must move samples and lower the imbalance).
 LORA_RANK > 0 trains LoRA adapters (random, seeded B, so every adapter has a gradient) and
-records their gradient only. PROMPTS "shared": each pair of experiences answers one prompt and
+records their gradient only. SEQUENCE_PARALLEL N in the environment: groups of N ranks share each
+micro-batch (train.sequence_parallel), the model on sdpa_segments. PROMPTS "shared": each pair of experiences answers one prompt and
 the micro-batches carry it once (train.share_prompts); "shared-off": the same pairs, unshared;
 "distinct" (default): 8 prompts, unshared. CHUNK_TOKENS in the environment: the LM head's chunk
 (models/chunked.py) made that small, so ranks make different numbers of head calls.
@@ -32,13 +33,20 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     from vlrft.config import LORA_TARGETS
     from vlrft.models.loader import load_model
     from vlrft.models.lora import add_lora
-    from vlrft.distributed import all_reduce_max_int, init_distributed
+    from vlrft.distributed import all_reduce_max_int, init_distributed, sequence_groups
+    from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+    from vlrft.models.sequence_parallel import set_run_shard, shard_model
+    from vlrft.models.ulysses import SequenceShard
     from vlrft.trainer.rank_balance import balance_across_ranks
     from vlrft.trainer.build import update_settings
     from vlrft.trainer.update import policy_update
     from vlrft.types import Experience, Rollout
 
     rank, world_size = init_distributed()
+    # SEQUENCE_PARALLEL N: groups of N ranks share each micro-batch (train.sequence_parallel).
+    sequence = int(os.environ.get("SEQUENCE_PARALLEL", "1"))
+    shard = SequenceShard(*sequence_groups(sequence), sequence) if sequence > 1 else None
+    set_run_shard(shard)
     if os.environ.get("CHUNK_TOKENS"):
         import vlrft.models.forward as forward
 
@@ -65,7 +73,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             )
         )
     if share == "balanced":
-        mine = experiences[:-1] if rank == 0 else experiences[-1:]
+        mine = experiences[:-1] if rank == 0 else experiences[-1:] if rank == world_size - 1 else []
         mine, balance = balance_across_ranks(mine, share_prompts=prompts == "shared")
         assert balance["perf/rank_imbalance"] < balance["perf/rank_imbalance_before"], balance
         print(f"rank {rank}: {len(mine)} samples after balancing, {balance}", flush=True)
@@ -79,7 +87,8 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0", f"train.share_prompts={prompts == 'shared'}",
         ])
         torch.manual_seed(0)
-        model = load_model(model_dir)
+        model = load_model(model_dir, attention=SDPA_SEGMENTS if shard else "sdpa")
+        shard_model(model, shard)
         if int(lora_rank) > 0:
             add_lora(model, int(lora_rank), 8.0, 0.0, LORA_TARGETS)
             with torch.no_grad():

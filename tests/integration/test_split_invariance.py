@@ -22,8 +22,8 @@ WORKER = Path(__file__).with_name("grad_worker.py")
 
 
 def gradients(model, data, micro_batch_tokens, ranks, out, share="strided", zero_stage=2, lora_rank=0, prompts="distinct",
-              chunk_tokens=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+              chunk_tokens=None, sequence_parallel=1):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "SEQUENCE_PARALLEL": str(sequence_parallel),
            "PYTHONPATH": str(Path(__file__).parents[2])} | ({"CHUNK_TOKENS": str(chunk_tokens)} if chunk_tokens else {})
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
     cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out), share, str(zero_stage), str(lora_rank), prompts]
@@ -103,3 +103,17 @@ def test_bf16_weights_sum_gradients_in_fp32_over_micro_batches_and_ranks(tiny_te
     assert one["a"].norm() > 0 and not torch.equal(one["a_then_b"], 2 * one["a"])
     assert off(one["a_thrice"], 3 * one["a"]) <= 1e-6  # micro-batches
     assert off(2 * two["mean_of_ranks"], one["a_then_b"]) <= 1e-6  # ranks (DeepSpeed divides by them)
+
+
+@pytest.mark.parametrize("ranks, zero_stage, prompts", [(2, 2, "distinct"), (2, 3, "shared"), (4, 2, "distinct")])
+def test_sequence_parallel_gradient_equals_the_single_rank_one(tiny_text, addition_data, tmp_path, ranks, zero_stage, prompts):
+    """train.sequence_parallel 2: each micro-batch's tokens split over 2 ranks (with 4 ranks, 2
+    groups of 2 data-parallel): the update's gradient is the one-rank one, in every loss
+    aggregation (a sequence mean divides by the whole sequence's tokens, not a shard's)."""
+    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt",
+                      prompts="shared-off" if prompts == "shared" else prompts)
+    split = gradients(tiny_text, addition_data, 40, ranks, tmp_path / "split.pt", zero_stage=zero_stage,
+                      share="balanced" if prompts == "shared" else "strided", prompts=prompts, sequence_parallel=2)
+    for mode, reference in whole.items():
+        rel = float((split[mode] - reference).norm() / reference.norm())
+        assert rel <= 1e-5, f"{mode}, sequence parallel over {ranks} ranks, ZeRO-{zero_stage}: relative gradient difference {rel:.2e}"

@@ -23,16 +23,20 @@ def normaliser_counts(mask: torch.Tensor, sequences: int | None = None) -> torch
 
 
 def aggregate(
-    loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float, max_new_tokens: int
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float, max_new_tokens: int,
+    counted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This micro-batch's share of the step loss. loss, mask: [B, R]; totals are global."""
+    """This micro-batch's share of the step loss. loss, mask: [B, R]; totals are global.
+    `counted` ([B, R], default `mask`): the tokens a sequence's mean divides by, where `mask`
+    holds only some of them (sequence parallelism: the tokens this rank scores)."""
+    counted = (mask if counted is None else counted).to(loss.dtype)
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         return (loss * mask).sum() / max(total_tokens, 1.0)
     per_seq_sum = (loss * mask).sum(-1)  # [B]
     if mode == "seq-mean-token-mean":
         # An empty sequence contributes 0 (clamp avoids 0/0 -> NaN).
-        return (per_seq_sum / mask.sum(-1).clamp(min=1.0)).sum() / max(total_seqs, 1.0)
+        return (per_seq_sum / counted.sum(-1).clamp(min=1.0)).sum() / max(total_seqs, 1.0)
     if mode == "seq-mean-token-sum":
         return per_seq_sum.sum() / max(total_seqs, 1.0)
     if mode == "seq-mean-token-sum-norm":

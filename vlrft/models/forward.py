@@ -25,6 +25,7 @@ from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS
 from vlrft.models.fused_head import head_token_stats
+from vlrft.models.sequence_parallel import local_tokens, sequence_shard_of, sharded_decoder
 from vlrft.models.vision_calls import encode_vision
 from vlrft.types import MicroBatch
 
@@ -61,8 +62,12 @@ def policy_forward(
 
 
 def _decoder(inner, batch: MicroBatch, extra: dict):
-    """The decoder's last hidden states [B, L, H] (vision tower included) and its output."""
+    """The decoder's last hidden states [B, L, H] (vision tower included) and its output. With
+    sequence parallelism the whole row's, this rank having run its shard (sequence_parallel.py)."""
     inputs = forward_inputs(inner.model, batch)
+    shard = sequence_shard_of(inner)
+    if shard is not None:
+        return sharded_decoder(inner.model, batch, inputs, shard, extra)
     vision_zero = encode_vision(inner.model, inputs)  # same vision calls on every rank
     base = inner.model(**inputs, use_cache=False, **extra)
     hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
@@ -78,7 +83,7 @@ def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float
     inner = getattr(model, "module", model)
     with decoder_autocast(inner):
         hidden, _ = _decoder(inner, batch, {})
-        scored = batch.response_mask.bool().to(hidden.device)  # [B, L]
+        scored = scored_tokens(inner, batch, hidden.device)  # [B, L]
         sample, token = scored.nonzero(as_tuple=True)
         predicting = hidden[sample, predictor_rows(batch).to(hidden.device)[sample, token]]  # [N, H]
         targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
@@ -98,9 +103,11 @@ def _head_stats(
     """The LM-head half of `policy_forward` (under its autocast); `hidden` [B, L, H] in the
     compute dtype."""
     aux = router_aux_loss(inner, tuple(r.float() for r in base.router_logits)) if moe_aux else None
-    scored = batch.response_mask.bool().to(hidden.device)  # [B, L] the response tokens
+    scored = scored_tokens(inner, batch, hidden.device)  # [B, L] the response tokens (this rank's shard's)
     rows = predictor_rows(batch).to(hidden.device)  # [B, L] the position predicting each token
     if keep_logits:
+        if sequence_shard_of(inner) is not None:
+            raise ValueError("train.sequence_parallel does not compute the exact vocabulary KL (algo.kl.estimator full) yet")
         predicting = hidden.gather(1, rows[:, 1:, None].expand(-1, -1, hidden.shape[-1]))  # [B, L-1, H] for tokens 1..L-1
         logits = inner.lm_head(predicting).float() / temperature  # [B, L-1, V]
         targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
@@ -122,6 +129,13 @@ def _head_stats(
     logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32
     entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L] fp32
     return ForwardOut(logp=logp, entropy=entropy, aux_loss=aux)
+
+
+def scored_tokens(inner, batch: MicroBatch, device) -> torch.Tensor:
+    """[B, L] True at the response tokens this rank scores: all of them, or with sequence
+    parallelism those of its own shard (each token's loss computed once in the group)."""
+    scored = batch.response_mask.bool().to(device)
+    return scored & local_tokens(scored.shape[1], sequence_shard_of(inner), device)
 
 
 def router_aux_loss(causal_lm: torch.nn.Module, router_logits) -> torch.Tensor:

@@ -19,9 +19,10 @@ from itertools import accumulate
 
 import torch
 
-from vlrft.distributed import all_reduce_max_int
+from vlrft.distributed import all_gather_objects, all_reduce_max_int
 from vlrft.models.attention import block_causal_mask, check_shared_prefix_support, uses_varlen, varlen_kwargs
 from vlrft.models.collate import concat_mm_inputs, rollout_of
+from vlrft.models.sequence_parallel import run_shard
 from vlrft.types import Experience, MicroBatch, Prompt, Rollout, Segment
 
 
@@ -117,8 +118,16 @@ def micro_batches(samples: list, micro_batch_tokens: int, placeholder=None, shar
     inside each backward, so a rank with fewer micro-batches than its peers would hang them. A
     rank short of the count adds dummy micro-batches (`dummy_sample`; run, never counted).
     `placeholder` (a sample) makes the dummy when this rank has no samples. [] when no rank has
-    any sample."""
+    any sample. With sequence parallelism (`run_shard`) the ranks of a group run every one of
+    their micro-batches together, each its shard of the tokens: each rank gets the group's
+    micro-batches, its own `owned`."""
+    shard = run_shard()
+    if shard is not None:  # the budget counts a rank's shard of each micro-batch
+        micro_batch_tokens *= shard.size
     batches = [pack(group, share=share) for group in split_by_token_budget(samples, micro_batch_tokens, share)]
+    if shard is not None:
+        batches = group_micro_batches(batches, shard)
+        samples = [s for batch in batches for s in batch.samples]  # the group's: its ranks make one dummy
     count = all_reduce_max_int(len(batches))
     if len(batches) == count:
         return batches
@@ -126,6 +135,15 @@ def micro_batches(samples: list, micro_batch_tokens: int, placeholder=None, shar
     if not pool:
         raise ValueError("a rank without samples needs a placeholder to join its peers' micro-batches")
     return batches + [pack([dummy_sample(pool)], dummy=True) for _ in range(count - len(batches))]
+
+
+def group_micro_batches(batches: list[MicroBatch], shard) -> list[MicroBatch]:
+    """The micro-batches of every rank of the sequence-parallel group, in rank order: this
+    rank's own (the same objects: what the passes store in its samples stays), then copies of
+    its peers' (`owned` False)."""
+    everyone = all_gather_objects(batches, group=shard.group)
+    return [batch if member == shard.index else replace(batch, owned=False)
+            for member, theirs in enumerate(everyone) for batch in (batches if member == shard.index else theirs)]
 
 
 def pack(samples: list, dummy: bool = False, share: bool = False) -> MicroBatch:

@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vlrft.models.shared_keys import end_aligned_causal_mask, gather_shared_keys
+from vlrft.models.ulysses import ulysses
 
 SDPA_SEGMENTS = "vlrft_sdpa_segments"
 
@@ -59,4 +60,4 @@ def run_lengths(starts: torch.Tensor) -> list[int]:
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-AttentionInterface.register(SDPA_SEGMENTS, sdpa_segments_attention)
+AttentionInterface.register(SDPA_SEGMENTS, ulysses(sdpa_segments_attention))

@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vlrft.models.shared_keys import gather_shared_keys
+from vlrft.models.ulysses import ulysses
 
 TORCH_VARLEN = "vlrft_torch_varlen"
 
@@ -71,4 +72,4 @@ def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
+AttentionInterface.register(TORCH_VARLEN, ulysses(torch_varlen_attention))

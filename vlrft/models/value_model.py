@@ -9,6 +9,7 @@ from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.vision_calls import encode_vision
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
+from vlrft.models.sequence_parallel import local_tokens, sequence_shard_of, sharded_decoder
 from vlrft.types import MicroBatch
 
 
@@ -27,11 +28,16 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, **inputs) -> torch.Tensor:
+    def forward(self, packed: MicroBatch | None = None, **inputs) -> torch.Tensor:
+        """Values [B, L] of `inputs` (`packing.forward_inputs` of the micro-batch `packed`)."""
         with decoder_autocast(self):
-            vision_zero = encode_vision(self.backbone, inputs)  # same vision calls on every rank
-            hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
-            hidden = hidden if vision_zero is None else hidden + vision_zero
+            shard = sequence_shard_of(self)
+            if shard is not None:  # the whole row's hidden states, this rank having run its shard
+                hidden, _ = sharded_decoder(self.backbone, packed, inputs, shard, {})
+            else:
+                vision_zero = encode_vision(self.backbone, inputs)  # same vision calls on every rank
+                hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
+                hidden = hidden if vision_zero is None else hidden + vision_zero
         # The head in its own dtype (fp32, or bf16 under DeepSpeed's bf16 mode), values in fp32.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)  # [B, L]
 
@@ -42,8 +48,10 @@ def load_value_model(path: str, attention: str = "sdpa", compute_dtype: str = "f
 
 
 def token_values(critic: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Value of the state before each token, at the token's own position (as logprobs). [B, L]."""
+    """Value of the state before each token, at the token's own position (as logprobs). [B, L].
+    With sequence parallelism, at this rank's shard's tokens only (0 at the others')."""
     inner = getattr(critic, "module", critic)  # a DeepSpeed engine wraps the value model
-    values = critic(**forward_inputs(inner.backbone, batch))  # [B, L] value after reading position p
+    values = critic(packed=batch, **forward_inputs(inner.backbone, batch))  # [B, L] value after reading position p
     before = values.gather(1, predictor_rows(batch).to(values.device))  # [B, L] value after reading the token's predictor
-    return torch.nn.functional.pad(before[:, 1:], (1, 0))  # a row's first token has none
+    values = torch.nn.functional.pad(before[:, 1:], (1, 0))  # a row's first token has none
+    return values * local_tokens(values.shape[1], sequence_shard_of(inner), values.device)

@@ -177,7 +177,8 @@ def compile_for_training(cfg: Config, *models: torch.nn.Module | None) -> int:
     no such model). After gradient checkpointing, before DeepSpeed wraps them. Returns how many
     layers were compiled."""
     models = [model for model in models if model is not None]
-    if not compile_wanted(cfg.model.compile, cfg.train.zero_stage) or not models:
+    # (With sequence parallelism `auto` stays eager: the exchange inside a compiled layer is unmeasured.)
+    if not compile_wanted(cfg.model.compile, cfg.train.zero_stage) or cfg.train.sequence_parallel > 1 or not models:
         return 0
     why_eager = eager_under_checkpointing(models[0])
     if why_eager and global_rank() == 0:

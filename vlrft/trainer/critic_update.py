@@ -17,6 +17,7 @@ from vlrft.trainer.update import (
     backward_guarded,
     loss_mask,
     sample_rows,
+    scored_mask,
     drop_bad_micro_batches,
     step_normalisers,
     step_or_skip,
@@ -36,12 +37,13 @@ def critic_update(backend: TrainBackend, buffer, settings: UpdateSettings, image
         sums = {name: torch.zeros((), device=here) for name in ("value_loss", "values", "returns", "squared_error")}
         nonfinite = 0
         for i, batch in enumerate(batches):
-            mask = loss_mask(batch, here)  # [S, R]
+            mask = scored_mask(batch, here)  # [S, R] (sequence parallelism: this rank's shard's tokens)
             values = response_rows(batch, token_values(backend.model, batch))  # [S, R]
             old = sample_rows(batch, "values", here)  # [S, R]
             returns = sample_rows(batch, "returns", here)  # [S, R]
             per_token = value_loss(values, old, returns, settings.value_clip)
-            loss = aggregate(per_token, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens)
+            loss = aggregate(per_token, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens,
+                             counted=loss_mask(batch, here))
             nonfinite += not backward_guarded(backend, loss, values, world_size(), boundary=i == len(batches) - 1)
             with torch.no_grad():
                 sums["value_loss"] += loss

@@ -5,8 +5,9 @@ The steps run in this order, which matters: the policy is loaded, gets its LoRA 
 its LM head; the critic is loaded; both get gradient checkpointing, a frozen vision tower and
 compiled layers (checkpointing before compiling, compiling before DeepSpeed wraps them); then
 the training backends wrap them, the reference is loaded (or is the LoRA policy's own base),
-then the distillation teacher (checked against the student before anything loads), and every
-vision tower is told which modalities the data holds.
+then the distillation teacher (checked against the student before anything loads); with
+sequence parallelism every model is told its shard of each micro-batch; and every vision tower
+is told which modalities the data holds.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import torch
 from transformers import AutoConfig
 
 from vlrft.config import Config
+from vlrft.distributed import sequence_groups
 from vlrft.errors import ConfigError
 from vlrft.experience.checks import ImageTokenCheck
 from vlrft.models.attention import resolve_attention
 from vlrft.models.loader import enable_gradient_checkpointing, freeze_vision_tower, load_model, vision_tower
 from vlrft.models.lora import BaseModelView, add_lora, optimizer_groups
 from vlrft.models.remote_teacher import RemoteTeacher, connect
+from vlrft.models.sequence_parallel import heads_problem, set_run_shard, shard_model
 from vlrft.models.teacher import check_teacher, load_teacher
+from vlrft.models.ulysses import SequenceShard
 from vlrft.models.value_model import ValueModel, load_value_model
 from vlrft.multiturn.environment import shows_images
 from vlrft.trainer.build import choose_fused_head, compile_for_training, load_reference, training_backend
@@ -79,6 +83,7 @@ def setup_models(cfg: Config, rank: int, trains: bool, data: RunData) -> Models:
         frozen_vision_parameters=frozen,
         image_check=image_check,
     )
+    share_sequences(cfg, models, policy, critic)
     ptx_modalities = data.ptx.modalities if data.ptx else set()
     modalities = data_modalities(data.train_rows, ptx_modalities, shows_images(cfg.rollout.environment))
     declare_modalities(models, modalities, announce)
@@ -193,6 +198,26 @@ def build_teacher(cfg: Config, attention: str) -> torch.nn.Module | None:
     teacher = load_teacher(cfg.teacher.path, attention, cfg.teacher.compute_dtype or cfg.model.compute_dtype)
     compile_for_training(cfg, teacher)
     return teacher
+
+
+def share_sequences(cfg: Config, models: Models, policy: torch.nn.Module, critic: ValueModel | None) -> None:
+    """`train.sequence_parallel` N > 1: groups of N consecutive ranks share each micro-batch, and
+    every model that runs micro-batches here runs its shard of their tokens (a collective of
+    all ranks: each creates every group)."""
+    size = cfg.train.sequence_parallel
+    if size == 1:
+        return
+    problem = heads_problem(policy.config.get_text_config(), size)
+    if problem:
+        raise ConfigError(problem)
+    group, index = sequence_groups(size)
+    shard = SequenceShard(group, index, size)
+    set_run_shard(shard)
+    teacher = models.teacher if isinstance(models.teacher, torch.nn.Module) else None
+    reference = None if isinstance(models.reference, BaseModelView) else models.reference  # (the policy's own weights)
+    for model in (policy, critic, reference, teacher):
+        if model is not None:
+            shard_model(model, shard)
 
 
 def declare_modalities(models: Models, modalities: set[str], announce: bool) -> None:

@@ -13,6 +13,7 @@ from vlrft.distributed import all_gather_1d
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
 from vlrft.models.packing import micro_batches
+from vlrft.models.sequence_parallel import combine, run_shard
 from vlrft.types import Experience, Prompt, Rollout
 
 END_OF_TURN = "<|im_end|>"  # what a Qwen chat model emits to end its answer
@@ -100,8 +101,8 @@ def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> li
     placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout
     sums: dict[int, float] = {}
     for batch in micro_batches(rollouts, trainer.cfg.train.micro_batch_tokens, placeholder, share=trainer.cfg.train.share_prompts):
-        logp = token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature)
-        if not batch.dummy:
+        logp = combine(token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature), run_shard())
+        if not batch.dummy and batch.owned:
             for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):
                 sums[id(rollout)] = float(row.sum())
     flat = iter(sums[id(r)] for r in rollouts)

@@ -22,6 +22,7 @@ from vlrft.experience.maker import CorrectionSettings
 from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
 from vlrft.metrics.flops import FlopCount, throughput_metrics
 from vlrft.models.packing import micro_batches
+from vlrft.models.sequence_parallel import combine, local_tokens, run_shard
 from vlrft.models.forward import policy_forward
 from vlrft.distributed import all_gather_1d, all_reduce_sum, device, rank, world_size
 from vlrft.types import MicroBatch, Rollout
@@ -77,6 +78,16 @@ def loss_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor
     return pad_rows([rollout_of(s).trained_mask() * k for s, k in zip(batch.samples, keep)], device=on)
 
 
+def scored_mask(batch: MicroBatch, on: torch.device | str = "cpu") -> torch.Tensor:
+    """`loss_mask` at the tokens this rank scores: all of them, or with sequence parallelism its
+    shard's (every token's loss and sums counted once in the group). [S, R] on `on`."""
+    mask = loss_mask(batch, on)
+    if run_shard() is None:
+        return mask
+    local = local_tokens(batch.input_ids.shape[1], run_shard(), on)[None].to(mask.dtype)  # [1, T]
+    return mask * response_rows(batch, local)
+
+
 def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -> torch.Tensor:
     """A per-token Experience field ([R_i] each, kept on the CPU between the experience pass
     and the update) in the loss layout, moved to `on` in one copy. [S, R]."""
@@ -88,6 +99,9 @@ def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tens
     logprobs and entropy (the batch feeds one optimizer step: the rollout policy is the one
     being updated), kept on the CPU like the experience pass's."""
     if batch.dummy:
+        return
+    logp, entropy = combine(logp, run_shard()), combine(entropy, run_shard())  # (every rank of the group)
+    if not batch.owned:
         return
     for sample, old, h in zip(batch.samples, gather_responses(batch, logp, "cpu"), gather_responses(batch, entropy, "cpu")):
         sample.old_logprobs, sample.entropy = old, h
@@ -140,10 +154,11 @@ def step_or_skip(backend: TrainBackend, nonfinite: int, what: str) -> float | No
 
 
 def step_normalisers(batches: list[MicroBatch]) -> tuple[float, float]:
-    """(valid tokens, sequences) in the loss over all micro-batches and all ranks."""
+    """(valid tokens, sequences) in the loss over all micro-batches and all ranks (each counted
+    by the rank that owns it)."""
     local = torch.zeros(2)
     for b in batches:
-        if not b.dummy:
+        if not b.dummy and b.owned:
             local += normaliser_counts(loss_mask(b), sequences=sum(getattr(s, "in_loss", True) for s in b.samples))
     total_tokens, total_seqs = all_reduce_sum(local).tolist()
     return total_tokens, total_seqs
@@ -155,7 +170,7 @@ def policy_drift(model, batches: list[MicroBatch], temperature: float) -> tuple[
     here = device()
     sums = torch.zeros(3, device=here)
     for batch in batches:
-        mask = loss_mask(batch, here)  # [S, R]
+        mask = scored_mask(batch, here)  # [S, R]
         logp = response_rows(batch, policy_forward(model, batch, temperature).logp)  # [S, R]
         old = sample_rows(batch, "old_logprobs", here)  # [S, R]
         ratio = torch.exp((logp - old).clamp(-20, 20))
@@ -169,7 +184,7 @@ def ptx_batches(examples: list[Rollout], micro_batch_tokens: int) -> tuple[list[
     batches = micro_batches(examples, micro_batch_tokens)
     if not batches:
         return [], 0.0
-    tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches)], dtype=torch.float32))
+    tokens = all_reduce_sum(torch.tensor([sum(loss_mask(b).sum() for b in batches if b.owned)], dtype=torch.float32))
     return batches, float(tokens)
 
 
@@ -253,9 +268,11 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
     sums = {name: torch.zeros((), device=here) for name in POLICY_SUMS}  # token sums, except ptx_nll, moe_aux_loss and the work counts
     nonfinite = 0  # micro-batches of this step whose loss was NaN or infinite
     for i, (is_ptx, batch) in enumerate(work):
-        mask = loss_mask(batch, here)  # [S, R] the loss layout: a row per sample, responses left-aligned
-        sums["model_flops"] += counter.micro_batch(batch)
-        sums["tokens"] += batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())
+        mask = scored_mask(batch, here)  # [S, R] the loss layout: a row per sample, responses left-aligned
+        # A rank runs 1/N of each micro-batch of its sequence-parallel group.
+        shards = run_shard().size if run_shard() is not None else 1
+        sums["model_flops"] += counter.micro_batch(batch) / shards
+        sums["tokens"] += (batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())) / shards
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -310,7 +327,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
             if settings.distill_loss_coef > 0:  # on-policy distillation as a loss term (algo/distill.py)
                 teacher = sample_rows(batch, "teacher_logprobs", here)  # [S, R]
                 token_loss = token_loss + distill_loss_terms(logp, teacher, settings.distill_loss_coef)
-            loss = aggregate(token_loss, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens)
+            loss = aggregate(token_loss, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens,
+                             counted=loss_mask(batch, here))
             if out.aux_loss is not None:
                 # The router loss is per forward: weight it by this micro-batch's token share.
                 share = mask.sum() / max(total_tokens, 1.0)

@@ -122,8 +122,8 @@ def validate(cfg: Config) -> None:
     ADVANTAGES.check(cfg.algo.advantage, "algo.advantage")
     POLICY_LOSSES.check(cfg.algo.policy_loss, "algo.policy_loss")
     _validate_algo(cfg)
+    _validate_sequence_parallel(cfg)  # (before the model's: its attention line is the one that applies)
     _validate_model(cfg.model, cfg.train.zero_stage)
-    _validate_sequence_parallel(cfg)
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
     if cfg.rollout.engine_tp_size < 1:
         raise ConfigError(f"config key 'rollout.engine_tp_size' must be >= 1, got {cfg.rollout.engine_tp_size}")
@@ -227,6 +227,7 @@ def validate(cfg: Config) -> None:
 def _validate_sequence_parallel(cfg: Config) -> None:
     """What does not compose with train.sequence_parallel yet, each refused in one line."""
     from vlrft.algo.kl import FULL_KL
+    from vlrft.models.attention import SEQUENCE_PARALLEL_ATTENTION
 
     sequence = cfg.train.sequence_parallel
     if sequence < 1:
@@ -234,9 +235,10 @@ def _validate_sequence_parallel(cfg: Config) -> None:
     if sequence == 1:
         return
     refused = [
-        (cfg.model.attention in ("sdpa", "flash_attention_2"),
-         f"model.attention {cfg.model.attention} (its block mask, or transformers' own kernel, cannot be split by "
-         "tokens; use auto, sdpa_segments or torch_varlen)"),
+        (cfg.model.attention not in ("auto", *SEQUENCE_PARALLEL_ATTENTION),
+         f"model.attention {cfg.model.attention} (only auto, sdpa_segments and torch_varlen exchange heads for tokens)"),
+        (cfg.algo.policy_loss in ("gspo", "gmpo"),
+         f"algo.policy_loss {cfg.algo.policy_loss} (its sequence-level ratio would see one shard of each response)"),
         (cfg.train.mode == "async", "train.mode async (sequence parallelism runs in sync mode)"),
         (cfg.algo.kl.estimator == FULL_KL and cfg.algo.kl.coef > 0, "algo.kl.estimator full (it needs every rank's logits)"),
         (cfg.algo.moe_aux_coef > 0, "algo.moe_aux_coef (the router's loss would see a shard's tokens only)"),
@@ -413,6 +415,10 @@ def check_world_size(cfg: Config, world_size: int, ranks_per_node: int | None = 
     sequence = cfg.train.sequence_parallel
     if sequence > 1 and world_size % sequence:
         raise ConfigError(f"config key 'train.sequence_parallel' ({sequence}) must divide the number of ranks ({world_size})")
+    if sequence > 1 and ranks_per_node is not None and ranks_per_node % sequence:
+        # Groups are consecutive ranks: one spanning nodes would run its exchanges between them.
+        raise ConfigError(f"config key 'train.sequence_parallel' ({sequence}) must divide the ranks per node "
+                          f"({ranks_per_node}): a group's two exchanges per attention layer stay within a node")
     if cfg.train.mode == "async":
         rollout_ranks = cfg.rollout.ranks
         if rollout_ranks >= world_size:

@@ -478,27 +478,35 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torc
     return torch.cat(arrived.unbind(0), dim=gather_dim)
 
 
+def _anchor() -> torch.Tensor:
+    """An input that puts a collective's backward into every rank's graph under grad mode. A
+    Function's output requires grad only if an input does, and this rank's may not where a
+    peer's does (a frozen vision tower's embeddings here, trained ones there; a rank with no
+    image to encode): its backward, a collective, would then run on some ranks only."""
+    return torch.zeros(0, requires_grad=torch.is_grad_enabled())
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scatter_dim: int, gather_dim: int, group):
+    def forward(ctx, x, scatter_dim: int, gather_dim: int, group, anchor):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
         return _exchange(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
-        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
     """Ulysses' exchange: e.g. [1, H, T/N, D] -> [1, H/N, T, D] with scatter_dim 1 (heads),
     gather_dim 2 (tokens); its gradient goes back by the exchange with the dims swapped."""
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group, _anchor())
 
 
 class _GatherPieces(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sizes: tuple[int, ...], group):
+    def forward(ctx, x, sizes: tuple[int, ...], group, anchor):
         ctx.sizes, ctx.group = sizes, group
         longest = max(sizes)
         padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
@@ -513,13 +521,13 @@ class _GatherPieces(torch.autograd.Function):
         mine = grad.new_empty(longest, *grad.shape[1:])
         # Every rank used the whole; the gradient of this rank's piece is the sum of their uses.
         dist.reduce_scatter_tensor(mine, torch.cat(pieces).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return mine[: sizes[dist.get_rank(ctx.group)]], None, None
+        return mine[: sizes[dist.get_rank(ctx.group)]], None, None, None
 
 
 def gather_pieces(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Every rank's `x` ([sizes[rank], ...]) concatenated along dim 0 in rank order, on every
     rank of `group`; backward: the sum over the ranks of each piece's gradient, to its owner."""
-    return _GatherPieces.apply(x, tuple(sizes), group)
+    return _GatherPieces.apply(x, tuple(sizes), group, _anchor())
 
 
 def sum_over(values: torch.Tensor, group) -> torch.Tensor:

@@ -7,7 +7,9 @@ sharded: the per-token outputs summed over the ranks and the gradients summed ov
 must equal the reference's. Writes the largest differences (relative to the largest element for
 gradients) to OUT as JSON, from rank 0.
 Usage (under torchrun): sequence_parallel_worker.py CASE MODEL_DIR DATA_DIR OUT
-CASE: text | vl | vl-shared | video | qwen3-vl (the mixed rollouts, shared, on a Qwen3-VL model)
+CASE: text | vl | vl-shared | video | qwen3-vl (the mixed rollouts, shared, on a Qwen3-VL model) |
+vl-checkpointed-frozen (gradient checkpointing on, the vision tower frozen: the rank that
+encodes the images has no gradient into them, the other has its embeddings')
 """
 
 import json
@@ -23,6 +25,8 @@ def rollouts_of(case: str, model_dir: str, data_dir: str):
     from tests.unit.test_shared_prefix import groups_of
     from tests.unit.test_torch_varlen import text_rollouts
 
+    if case == "vl-checkpointed-frozen":
+        return make_mixed_rollouts(model_dir, Path(data_dir), Path(tempfile.mkdtemp()))[:2], False  # text, one image
     if case == "text":
         return text_rollouts(model_dir, Path(data_dir)), False
     if case == "video":
@@ -57,7 +61,7 @@ def run(policy, critic, batch, weights):
 
 def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
     from vlrft.distributed import all_reduce_sum, init_distributed, new_groups, rank, sum_over, world_size
-    from vlrft.models.loader import load_model
+    from vlrft.models.loader import enable_gradient_checkpointing, freeze_vision_tower, load_model
     from vlrft.models.packing import pack
     from vlrft.models.sdpa_segments import SDPA_SEGMENTS
     from vlrft.models.sequence_parallel import shard_model
@@ -69,6 +73,10 @@ def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
     policy = load_model(model_dir, attention=SDPA_SEGMENTS)
     critic = ValueModel(load_model(model_dir, attention=SDPA_SEGMENTS))
     torch.nn.init.normal_(critic.value_head.weight, std=0.1)  # (zero at init: no gradient below it)
+    if case == "vl-checkpointed-frozen":
+        for model in (policy, critic.backbone):
+            freeze_vision_tower(model)
+        assert enable_gradient_checkpointing(policy) > 0 and enable_gradient_checkpointing(critic.backbone) > 0
     rollouts, share = rollouts_of(case, model_dir, data_dir)
     batch = pack(rollouts, share=share)
     g = torch.Generator().manual_seed(1)

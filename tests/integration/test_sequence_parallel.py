@@ -25,7 +25,7 @@ def sharded_against_whole(case: str, model: str, data, out: Path, ranks: int = 2
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", ["vl", "vl-shared", "video"])
+@pytest.mark.parametrize("case", ["vl", "vl-shared", "video", "vl-checkpointed-frozen"])
 def test_two_ranks_sharing_a_vision_language_micro_batch_equal_it_whole(case, tiny_vl, colour_data, tmp_path):
     result = sharded_against_whole(case, tiny_vl, colour_data, tmp_path / "out.json")
     assert 0 < result["scored_here"] < result["scored"]  # rank 0 scored its shard's tokens only
@@ -44,6 +44,33 @@ def test_two_ranks_sharing_a_qwen3_vl_micro_batch_equal_it_whole(vl_models, colo
 
 def test_two_ranks_sharing_a_text_micro_batch_equal_it_whole(tiny_text, addition_data, tmp_path):
     result = sharded_against_whole("text", tiny_text, addition_data, tmp_path / "out.json")
+    assert 0 < result["scored_here"] < result["scored"]
+    assert max(result["outputs"]) <= 1e-5, result
+    assert result["gradient"] <= 1e-5, result
+
+
+def test_four_ranks_sharing_a_text_micro_batch_equal_it_whole(tiny_text, addition_data, tmp_path):
+    """N = 4 needs 4 key/value heads: the tiny text model with its 2 repeated (the same function)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_text)
+    attention = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer in model.model.layers:  # each key/value head's rows twice: heads 0, 0, 1, 1
+        for projection in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            head = projection.out_features // model.config.num_key_value_heads
+            for name in ("weight", "bias"):
+                rows = getattr(projection, name).data.view(model.config.num_key_value_heads, head, -1)
+                setattr(projection, name, torch.nn.Parameter(rows.repeat_interleave(2, dim=0).reshape(-1, *rows.shape[2:]).squeeze(-1)))
+    model.config.num_key_value_heads *= 2
+    assert model.config.num_attention_heads // model.config.num_key_value_heads == attention // 2
+    wide = tmp_path / "kv4"
+    model.save_pretrained(wide)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tiny_text) / name, wide / name)
+    result = sharded_against_whole("text", str(wide), addition_data, tmp_path / "out.json", ranks=4)
     assert 0 < result["scored_here"] < result["scored"]
     assert max(result["outputs"]) <= 1e-5, result
     assert result["gradient"] <= 1e-5, result

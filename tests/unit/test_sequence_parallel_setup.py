@@ -17,6 +17,9 @@ BASE = ["model.path=m", "data.train_path=t.jsonl", "train.sequence_parallel=2"]
 
 @pytest.mark.parametrize("override, named", [
     ("model.attention=sdpa", "model.attention sdpa"),
+    ("model.attention=flash_attention_2 model.compute_dtype=bfloat16", "model.attention flash_attention_2"),
+    ("algo.policy_loss=gspo", "algo.policy_loss gspo"),
+    ("algo.policy_loss=gmpo", "algo.policy_loss gmpo"),
     ("train.mode=async", "train.mode async"),
     ("algo.kl.coef=0.1 algo.kl.estimator=full", "algo.kl.estimator full"),
     ("algo.moe_aux_coef=0.01", "algo.moe_aux_coef"),
@@ -36,6 +39,16 @@ def test_a_group_size_must_divide_the_ranks_and_be_positive():
     with pytest.raises(ConfigError, match=r"'train.sequence_parallel' \(2\) must divide the number of ranks \(3\)"):
         check_world_size(cfg, 3)
     check_world_size(cfg, 2)  # (no error)
+    with pytest.raises(ConfigError, match=r"must divide the ranks per node \(3\)"):
+        check_world_size(load_config(None, BASE + ["rollout.rollout_prompts=12"]), 6, ranks_per_node=3)
+
+
+def test_auto_attention_picks_one_that_exchanges_heads():
+    from vlrft.models.attention import resolve_attention
+    from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+
+    assert resolve_attention("auto", "float32", sequence_parallel=True) == SDPA_SEGMENTS
+    assert resolve_attention("auto", "bfloat16", sequence_parallel=True) == SDPA_SEGMENTS  # (no CUDA here)
 
 
 def test_the_heads_must_split_over_the_group():

@@ -36,6 +36,7 @@ from vlrft.models.torch_varlen import TORCH_VARLEN, torch_varlen_missing
 
 ATTENTION_CHOICES = ("auto", "sdpa", "sdpa_segments", "flash_attention_2", "torch_varlen")
 VARLEN_KERNELS = ("flash_attention_2", "torch_varlen")  # mask-free choices, in auto's preference order
+SEQUENCE_PARALLEL_ATTENTION = ("sdpa_segments", "torch_varlen")  # those vlrft wraps in Ulysses' exchange
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -78,11 +79,14 @@ def precision_config_problem(attention: str, compute_dtype: str, zero_stage: int
     return ""
 
 
-def resolve_attention(requested: str, compute_dtype: str) -> str:
-    """The transformers attn_implementation for `model.attention` (config-checked already)."""
+def resolve_attention(requested: str, compute_dtype: str, sequence_parallel: bool = False) -> str:
+    """The transformers attn_implementation for `model.attention` (config-checked already).
+    With `sequence_parallel`, `auto` picks among the implementations that exchange heads for
+    tokens (models/ulysses.py): torch_varlen, else sdpa_segments."""
     if requested == "auto":
         kernels = VARLEN_KERNELS if compute_dtype == "bfloat16" else ()
-        fallback = "sdpa" if torch.cuda.is_available() else "sdpa_segments"
+        kernels = tuple(k for k in kernels if k in SEQUENCE_PARALLEL_ATTENTION) if sequence_parallel else kernels
+        fallback = "sdpa" if torch.cuda.is_available() and not sequence_parallel else "sdpa_segments"
         requested = next((k for k in kernels if not attention_missing(k)), fallback)
     return {"torch_varlen": TORCH_VARLEN, "sdpa_segments": SDPA_SEGMENTS}.get(requested, requested)
 

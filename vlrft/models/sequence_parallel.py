@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 
 from vlrft.distributed import gather_pieces, sum_over
-from vlrft.models.attention import uses_varlen, varlen_kwargs
-from vlrft.models.ulysses import SequenceShard, exchanging_heads
+from vlrft.models.attention import varlen_kwargs
+from vlrft.models.sdpa_segments import SDPA_SEGMENTS
+from vlrft.models.torch_varlen import TORCH_VARLEN
+from vlrft.models.ulysses import SequenceShard
 from vlrft.models.vision_calls import MODALITIES, encode_vision
 from vlrft.types import MicroBatch
 
@@ -84,9 +86,9 @@ def sharded_decoder(backbone: torch.nn.Module, batch: MicroBatch, inputs: dict, 
     """The decoder's last hidden states [1, T, H] of the whole row on every rank (the vision
     tower included, its zero term added) and the decoder's output for this rank's shard.
     `inputs`: `packing.forward_inputs` of the packed micro-batch `batch`, on the model's device."""
-    if not uses_varlen(backbone):
-        raise ValueError("train.sequence_parallel needs a mask-free attention (model.attention auto, sdpa_segments, "
-                         "torch_varlen): the block mask of sdpa cannot be split by tokens")
+    if backbone.config._attn_implementation not in (SDPA_SEGMENTS, TORCH_VARLEN):
+        raise ValueError(f"train.sequence_parallel runs attention sdpa_segments or torch_varlen (they exchange heads "
+                         f"for tokens), not {backbone.config._attn_implementation}")
     ids = inputs["input_ids"]  # [1, T]
     length = ids.shape[1]
     pad = (-length) % shard.size
@@ -107,8 +109,8 @@ def sharded_decoder(backbone: torch.nn.Module, batch: MicroBatch, inputs: dict, 
                          "deepstack_visual_embeds": [torch.nn.functional.pad(level, (0, 0, 0, pad))[lo:hi][visual[0]]
                                                      for level in levels]}
     decoder = getattr(backbone, "language_model", backbone)  # a vision-language model's, its embeddings done here
-    with exchanging_heads(shard):
-        base = decoder(inputs_embeds=embeds[:, lo:hi], position_ids=positions[..., lo:hi], use_cache=False, **varlen, **extra)
+    base = decoder(inputs_embeds=embeds[:, lo:hi], position_ids=positions[..., lo:hi], use_cache=False,
+                   sequence_shard=shard, **varlen, **extra)
     hidden = gather_pieces(base.last_hidden_state[0], [hi - lo] * shard.size, shard.group)[None, :length]  # [1, T, H]
     return (hidden if vision_zero is None else hidden + vision_zero), base
 
@@ -142,8 +144,6 @@ def _token_embeddings(backbone: torch.nn.Module, inputs: dict, shard: SequenceSh
     visual = torch.zeros_like(ids, dtype=torch.bool)  # [1, T]
     for name, counts in shares.items():
         out = encoded.get(name)
-        # None encoded here: an empty piece still in the graph, so this rank's backward runs the
-        # gather's collective too (a constant would leave the others waiting in theirs).
         pieces = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])] if out is not None else [None] * (1 + levels)
         gathered = [gather_pieces(torch.cat(piece).to(embeds.dtype) if piece is not None else embeds[0, :0], counts, shard.group)
                     for piece in pieces]  # [tokens, H] each: the embeddings, then each deepstack level

@@ -1,12 +1,14 @@
 """Ulysses' exchange inside the attention functions vlrft registers with transformers
-(sdpa_segments, torch_varlen): while a sharded decoder runs (models/sequence_parallel.py), a
-packed call trades each rank's 1/N of the tokens of every head for every token of H/N heads
-before attention, and back after it."""
+(sdpa_segments, torch_varlen): a packed call of a sharded decoder (models/sequence_parallel.py)
+trades each rank's 1/N of the tokens of every head for every token of H/N heads before
+attention, and back after it.
+
+The shard travels as a keyword argument of the decoder's forward, which transformers hands
+down to every attention call, and which gradient checkpointing keeps for the recompute in the
+backward (a flag set around the forward would be gone by then)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -26,19 +28,6 @@ class SequenceShard:
         return self.index * per, (self.index + 1) * per
 
 
-# Set while a sharded decoder runs: the attention functions exchange heads for tokens then.
-_ACTIVE: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar("vlrft_sequence_shard", default=None)
-
-
-@contextlib.contextmanager
-def exchanging_heads(shard: SequenceShard):
-    active = _ACTIVE.set(shard)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(active)
-
-
 def ulysses(attention):
     """A transformers attention function that, inside a sharded decoder and for a packed call
     (segment starts given), runs `attention` on every token of H/N heads: query, key and value
@@ -46,8 +35,8 @@ def ulysses(attention):
     split as the query heads do, so each rank keeps the model's heads-per-key-head ratio."""
 
     @functools.wraps(attention)
-    def exchanged(module, query, key, value, attention_mask, *args, **kwargs):
-        shard = _ACTIVE.get()
+    def exchanged(module, query, key, value, attention_mask, *args, sequence_shard: SequenceShard | None = None, **kwargs):
+        shard = sequence_shard
         if shard is None or kwargs.get("cu_seq_lens_q") is None:
             return attention(module, query, key, value, attention_mask, *args, **kwargs)
         query, key, value = (all_to_all(t.contiguous(), 1, 2, shard.group) for t in (query, key, value))  # heads out, tokens in

@@ -92,7 +92,7 @@ def setup_models(cfg: Config, rank: int, trains: bool, data: RunData) -> Models:
 
 def model_precision(cfg: Config, announce: bool) -> tuple[str, str]:
     """(attention implementation, decoder compute dtype) every model of the run is loaded with."""
-    attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype)
+    attention = resolve_attention(cfg.model.attention, cfg.model.compute_dtype, cfg.train.sequence_parallel > 1)
     if announce:
         print(f"vlrft: attention {attention}, decoder compute {cfg.model.compute_dtype} (model.attention, model.compute_dtype)")
     return attention, cfg.model.compute_dtype
@@ -205,19 +205,22 @@ def share_sequences(cfg: Config, models: Models, policy: torch.nn.Module, critic
     every model that runs micro-batches here runs its shard of their tokens (a collective of
     all ranks: each creates every group)."""
     size = cfg.train.sequence_parallel
+    set_run_shard(None)  # (a trainer built before in this process may have set one)
     if size == 1:
         return
-    problem = heads_problem(policy.config.get_text_config(), size)
-    if problem:
-        raise ConfigError(problem)
+    teacher = models.teacher if isinstance(models.teacher, torch.nn.Module) else None
+    reference = None if isinstance(models.reference, BaseModelView) else models.reference  # (the policy's own weights)
+    named = {"model.path": policy, "critic.path": critic, "model.ref_path": reference, "teacher.path": teacher}
+    sharded = [model for model in named.values() if model is not None]
+    for key, model in named.items():
+        problem = heads_problem(getattr(model, "backbone", model).config.get_text_config(), size) if model is not None else ""
+        if problem:
+            raise ConfigError(f"{problem} ({key}'s model)")
     group, index = sequence_groups(size)
     shard = SequenceShard(group, index, size)
     set_run_shard(shard)
-    teacher = models.teacher if isinstance(models.teacher, torch.nn.Module) else None
-    reference = None if isinstance(models.reference, BaseModelView) else models.reference  # (the policy's own weights)
-    for model in (policy, critic, reference, teacher):
-        if model is not None:
-            shard_model(model, shard)
+    for model in sharded:
+        shard_model(model, shard)
 
 
 def declare_modalities(models: Models, modalities: set[str], announce: bool) -> None:

@@ -94,17 +94,19 @@ def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -
     return pad_rows([getattr(e, field) for e in batch.samples], device=on)
 
 
-def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     """Store the update forward's logprobs and entropy ([B, L], detached) as the samples' old
     logprobs and entropy (the batch feeds one optimizer step: the rollout policy is the one
-    being updated), kept on the CPU like the experience pass's."""
+    being updated), kept on the CPU like the experience pass's. Returns the logprobs, whole
+    (with sequence parallelism, summed over the group)."""
     if batch.dummy:
-        return
+        return logp
     logp, entropy = combine(logp, run_shard()), combine(entropy, run_shard())  # (every rank of the group)
     if not batch.owned:
-        return
+        return logp
     for sample, old, h in zip(batch.samples, gather_responses(batch, logp, "cpu"), gather_responses(batch, entropy, "cpu")):
         sample.old_logprobs, sample.entropy = old, h
+    return logp
 
 
 def drop_bad_micro_batches(batches: list[MicroBatch], check) -> tuple[list[MicroBatch], int]:
@@ -272,7 +274,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
         # A rank runs 1/N of each micro-batch of its sequence-parallel group.
         shards = run_shard().size if run_shard() is not None else 1
         sums["model_flops"] += counter.micro_batch(batch) / shards
-        sums["tokens"] += (batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())) / shards
+        row_tokens = batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())
+        sums["tokens"] += row_tokens / shards
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -289,8 +292,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
         else:
             entropy = response_rows(batch, out.entropy) if settings.needs_entropy else torch.zeros_like(logp)  # [S, R]
             if old_from_update:
-                keep_policy_terms(batch, out.logp.detach(), out.entropy.detach())
-                old = logp.detach()  # [S, R] the ratio is exactly 1
+                # [S, R] the ratio is exactly 1; whole rows: a sequence's correction weight reads them all
+                old = response_rows(batch, keep_policy_terms(batch, out.logp.detach(), out.entropy.detach()))
             else:
                 old = sample_rows(batch, "old_logprobs", here)  # [S, R]
             if correction.mode == "behaviour":  # the ratio against the policy that sampled (algo/correction.py)
@@ -300,8 +303,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
             if correction.mode not in ("none", "behaviour"):  # engine-mismatch weights (algo/correction.py)
                 if old_from_update:
                     weights = correction_weights(
-                        old, engine_logprob_rows(batch.samples, device=here), mask, correction.mode, correction.cap,
-                        correction.low, correction.high,
+                        old, engine_logprob_rows(batch.samples, device=here), loss_mask(batch, here), correction.mode,
+                        correction.cap, correction.low, correction.high,
                     )
                 else:
                     weights = sample_rows(batch, "correction", here)

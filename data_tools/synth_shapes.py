@@ -388,8 +388,40 @@ def write_zoom_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int =
     return _write_image_task(out_dir, n_train, n_test, seed, make_row)
 
 
+LONG_VIDEO_SOURCE = "long_video"
+LONG_VIDEO_FRAMES = 48  # 224 x 224 each: 24 frame pairs x 64 tokens = 1,536 video tokens a prompt
+LONG_VIDEO_QUESTION = "What colour is the shape in the last frame? Answer as <answer>colour</answer>."
+
+
+def write_long_video_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> Path:
+    """The long-video task (examples/long_video): a clip of LONG_VIDEO_FRAMES frames, each one
+    shape of some colour; the answer is the last frame's colour. Thousands of tokens a sample:
+    the sequence-parallel example. The frames come from a pool of 8 per colour
+    (``frames/COLOUR_K.png``), so the data set stays small on disk."""
+    out_dir = Path(out_dir)
+    (out_dir / "frames").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    pool = {colour: [f"frames/{colour}_{k}.png" for k in range(8)] for colour in COLOURS}
+    for colour, paths in pool.items():
+        for rel in paths:
+            render_shape(colour, SHAPES[int(rng.integers(len(SHAPES)))], rng, size=224).save(out_dir / rel)
+    rngs = _split_rngs(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        split_rng = rngs[split]
+        rows = []
+        for i, colour in enumerate(balanced_colours(n, split_rng)):
+            earlier = [COLOURS[int(split_rng.integers(len(COLOURS)))] for _ in range(LONG_VIDEO_FRAMES - 1)]
+            frames = [pool[c][int(split_rng.integers(8))] for c in earlier + [colour]]
+            rows.append({"id": f"{LONG_VIDEO_SOURCE}-{split}-{i:05d}", "answer": colour, "data_source": LONG_VIDEO_SOURCE,
+                         "meta": {"colour": colour}, "messages": [{"role": "user", "content": [
+                             {"type": "video", "video": frames, "fps": 2.0}, {"type": "text", "text": LONG_VIDEO_QUESTION}]}]})
+        _write_jsonl(out_dir / f"{split}.jsonl", rows)
+    return out_dir
+
+
 TASKS = {
     "colors": write_colour_task,
+    "long_video": write_long_video_task,
     "zoom": write_zoom_task,
     "left_right": write_left_right_task,
     "bigger": write_bigger_task,

@@ -115,6 +115,22 @@ def test_bigger_task_needs_the_size_relation(tmp_path):
     assert max(counts.values()) - min(counts.values()) <= 1
 
 
+def test_long_video_task_asks_for_the_last_frame_and_encodes_to_thousands_of_tokens(tmp_path, tiny_vl):
+    out = ss.write_long_video_task(tmp_path / "lv", n_train=8, n_test=4, seed=0)
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and len(list((out / "frames").iterdir())) == 8 * len(ss.COLOURS)
+    for row in rows:
+        video = row["messages"][0]["content"][0]["video"]
+        assert len(video) == ss.LONG_VIDEO_FRAMES and all((out / frame).is_file() for frame in video)
+        assert Path(video[-1]).name.split("_")[0] == row["answer"]  # the last frame's colour
+    assert Counter(r["answer"] for r in rows) == Counter({c: 2 for c in ss.COLOURS})
+    encoder = PromptEncoder(tiny_vl, 3136, 12544, 4096, max_frames=ss.LONG_VIDEO_FRAMES, video_max_pixels=224 * 224)
+    from vlrft.data.dataset import load_rows
+
+    prompt = encoder.encode(load_rows(out / "train.jsonl")[0], 0)
+    assert 1500 < len(prompt.prompt_ids) < 1700  # 24 frame pairs x 64 tokens, and the question
+
+
 def test_supervised_probe_runs_and_reports_a_curve(tmp_path, tiny_vl):
     from data_tools.supervised_probe import probe
 

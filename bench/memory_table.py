@@ -4,8 +4,8 @@
 
 An estimate from the byte counts of what vlrft keeps (not a measurement): model states of the
 policy under each DeepSpeed setting, plus the frozen reference and the rollout engine's weights.
-Activations (bounded by train.micro_batch_tokens; gradient checkpointing cuts them to one layer),
-the LM-head chunk (models/chunked.py) and vLLM's KV cache (rollout.vllm_memory_fraction, asleep
+Activations (bounded by train.micro_batch_tokens; gradient checkpointing cuts them to one layer;
+a second table estimates one long sample's by train.sequence_parallel), the LM-head chunk (models/chunked.py) and vLLM's KV cache (rollout.vllm_memory_fraction, asleep
 during the update) come on top; "fits" leaves 25% of the card for them.
 """
 
@@ -72,6 +72,23 @@ def row(name: str, params: float, ranks: int, zero_stage: int, offload: str, gpu
             f"{engine_weights / GIB:5.1f} | {total / GIB:6.1f} | {fits} |")
 
 
+# Decoder shapes (layers, hidden, MLP intermediate) of the text decoders above.
+DECODERS = {"Qwen2.5-1.5B": (28, 1536, 8960), "Qwen2.5-VL-3B": (36, 2048, 11008), "Qwen2.5-VL-7B": (28, 3584, 18944)}
+LONG_SAMPLE_TOKENS = 32768
+
+
+def long_sample_activation_bytes(name: str, tokens: int, sequence_parallel: int) -> float:
+    """Bytes of one `tokens`-token sample's activations on one rank in bf16 with gradient
+    checkpointing and train.sequence_parallel N: each layer's input kept, L x T/N x H x 2, plus
+    one layer's recompute in its backward, about T/N x (8 H + 3 I) x 2 (norms, q/k/v/o, attention
+    output, the MLP's gate, up and product), plus what stays whole on every rank: the input
+    embeddings and the gathered last hidden states, 2 x T x H x 2. An estimate of the terms that
+    scale with the sample (the LM head's 1,024-token chunk, about 0.6 GiB in fp32, comes on top)."""
+    layers, hidden, intermediate = DECODERS[name]
+    shard = tokens / sequence_parallel
+    return 2 * (layers * shard * hidden + shard * (8 * hidden + 3 * intermediate) + 2 * tokens * hidden)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
@@ -85,6 +102,13 @@ def main() -> None:
             print(row(name, params, ranks, stage, offload, args.gpu_gib))
         for ranks, stage in ((1, 2), (8, 3)):
             print(row(name, params, ranks, stage, "none", args.gpu_gib, lora=True))
+    print(f"\nEstimated GiB per GPU of one {LONG_SAMPLE_TOKENS:,}-token sample's activations (bf16, gradient checkpointing), "
+          "by train.sequence_parallel N (long_sample_activation_bytes)")
+    print("| model | N = 1 | N = 2 | N = 4 | N = 8 |")
+    print("|---|---|---|---|---|")
+    for name in DECODERS:
+        cells = " | ".join(f"{long_sample_activation_bytes(name, LONG_SAMPLE_TOKENS, n) / GIB:5.1f}" for n in (1, 2, 4, 8))
+        print(f"| {name} | {cells} |")
 
 
 if __name__ == "__main__":

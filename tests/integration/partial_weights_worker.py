@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vlrft.distributed import VersionBoard, all_reduce_sum, exit_process, global_rank, init_distributed
+from vlrft.distributed import all_reduce_sum, exit_process, global_rank, init_distributed
+from vlrft.trainer.version_board import VersionBoard
 from vlrft.engines.weight_digest import DigestCheck
 from vlrft.trainer.weights_delivery import RolloutRanks, take_async_role, take_version
 

@@ -23,7 +23,7 @@ from vlrft.models.packing import micro_batches
 from vlrft.models.remote_teacher import RemoteTeacher
 from vlrft.models.forward import policy_forward, teacher_scores
 from vlrft.models.value_model import token_values
-from vlrft.models.sequence_parallel import combine, run_shard
+from vlrft.models.sequence_parallel import combine
 from vlrft.multiturn.in_flight import InFlight
 from vlrft.multiturn.rollout import MultiTurn, multi_turn_steps
 from vlrft.rewards.mix import RewardMix
@@ -325,7 +325,7 @@ class FastExperienceMaker:
             if not batch.dummy:
                 # Sequence parallelism: each rank of the group scored its shard (a collective:
                 # all of them, for every micro-batch); the owner keeps the rows.
-                found = {key: combine(value, run_shard()) for key, value in found.items()}
+                found = {key: combine(value) for key, value in found.items()}
             if not batch.dummy and batch.owned:
                 for key, value in found.items():
                     # Experiences wait for the update on the CPU: accelerator memory is the

@@ -25,8 +25,7 @@ from vlrft.models.packing import forward_inputs, predictor_rows
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.chunked import LOGIT_CHUNK_TOKENS
 from vlrft.models.fused_head import head_token_stats
-from vlrft.models.sequence_parallel import local_tokens, sequence_shard_of, sharded_decoder
-from vlrft.models.vision_calls import encode_vision
+from vlrft.models.sequence_parallel import decoder_hidden, local_tokens, sequence_shard_of
 from vlrft.types import MicroBatch
 
 
@@ -64,14 +63,7 @@ def policy_forward(
 def _decoder(inner, batch: MicroBatch, extra: dict):
     """The decoder's last hidden states [B, L, H] (vision tower included) and its output. With
     sequence parallelism the whole row's, this rank having run its shard (sequence_parallel.py)."""
-    inputs = forward_inputs(inner.model, batch)
-    shard = sequence_shard_of(inner)
-    if shard is not None:
-        return sharded_decoder(inner.model, batch, inputs, shard, extra)
-    vision_zero = encode_vision(inner.model, inputs)  # same vision calls on every rank
-    base = inner.model(**inputs, use_cache=False, **extra)
-    hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
-    return hidden, base
+    return decoder_hidden(inner.model, sequence_shard_of(inner), batch, forward_inputs(inner.model, batch), extra)
 
 
 @torch.no_grad()

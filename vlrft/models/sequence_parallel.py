@@ -76,10 +76,24 @@ def local_tokens(length: int, shard: SequenceShard | None, device) -> torch.Tens
     return (torch.arange(length, device=device) >= lo) & (torch.arange(length, device=device) < hi)
 
 
-def combine(values: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
+def combine(values: torch.Tensor) -> torch.Tensor:
     """Per-token values ([B, L], each rank's nonzero at its own tokens only) made whole on every
-    rank of the group, with no gradient (the experience pass's logprobs, entropies, values)."""
-    return values if shard is None else sum_over(values, shard.group)
+    rank of the run's sequence-parallel group, with no gradient (the experience pass's
+    logprobs, entropies, values); `values` itself without sequence parallelism."""
+    return values if _RUN_SHARD is None else sum_over(values, _RUN_SHARD.group)
+
+
+def decoder_hidden(backbone: torch.nn.Module, shard: SequenceShard | None, batch: MicroBatch, inputs: dict, extra: dict):
+    """The backbone's last hidden states [B, L, H] (the vision tower included, its zero term
+    added) and its output, for the policy's forward and the critic's alike. `inputs`:
+    `packing.forward_inputs` of `batch`. With a shard, the whole row's, this rank having run
+    its shard (`sharded_decoder`)."""
+    if shard is not None:
+        return sharded_decoder(backbone, batch, inputs, shard, extra)
+    vision_zero = encode_vision(backbone, inputs)  # same vision calls on every rank
+    base = backbone(**inputs, use_cache=False, **extra)
+    hidden = base.last_hidden_state if vision_zero is None else base.last_hidden_state + vision_zero
+    return hidden, base
 
 
 def sharded_decoder(backbone: torch.nn.Module, batch: MicroBatch, inputs: dict, shard: SequenceShard, extra: dict):

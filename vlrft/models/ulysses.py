@@ -36,11 +36,10 @@ def ulysses(attention):
 
     @functools.wraps(attention)
     def exchanged(module, query, key, value, attention_mask, *args, sequence_shard: SequenceShard | None = None, **kwargs):
-        shard = sequence_shard
-        if shard is None or kwargs.get("cu_seq_lens_q") is None:
+        if sequence_shard is None or kwargs.get("cu_seq_lens_q") is None:
             return attention(module, query, key, value, attention_mask, *args, **kwargs)
-        query, key, value = (all_to_all(t.contiguous(), 1, 2, shard.group) for t in (query, key, value))  # heads out, tokens in
+        query, key, value = (all_to_all(t.contiguous(), 1, 2, sequence_shard.group) for t in (query, key, value))  # heads out, tokens in
         out, weights = attention(module, query, key, value, attention_mask, *args, **kwargs)
-        return all_to_all(out.contiguous(), 1, 2, shard.group), weights  # tokens out, heads in
+        return all_to_all(out.contiguous(), 1, 2, sequence_shard.group), weights  # tokens out, heads in
 
     return exchanged

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 
 from vlrft.models.packing import forward_inputs, predictor_rows
-from vlrft.models.vision_calls import encode_vision
 from vlrft.models.attention import decoder_autocast
 from vlrft.models.loader import load_model
-from vlrft.models.sequence_parallel import local_tokens, sequence_shard_of, sharded_decoder
+from vlrft.models.sequence_parallel import decoder_hidden, local_tokens, sequence_shard_of
 from vlrft.types import MicroBatch
 
 
@@ -31,13 +30,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, packed: MicroBatch | None = None, **inputs) -> torch.Tensor:
         """Values [B, L] of `inputs` (`packing.forward_inputs` of the micro-batch `packed`)."""
         with decoder_autocast(self):
-            shard = sequence_shard_of(self)
-            if shard is not None:  # the whole row's hidden states, this rank having run its shard
-                hidden, _ = sharded_decoder(self.backbone, packed, inputs, shard, {})
-            else:
-                vision_zero = encode_vision(self.backbone, inputs)  # same vision calls on every rank
-                hidden = self.backbone(**inputs, use_cache=False).last_hidden_state  # [B, L, H]
-                hidden = hidden if vision_zero is None else hidden + vision_zero
+            hidden, _ = decoder_hidden(self.backbone, sequence_shard_of(self), packed, inputs, {})  # [B, L, H]
         # The head in its own dtype (fp32, or bf16 under DeepSpeed's bf16 mode), values in fp32.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)  # [B, L]
 

@@ -37,7 +37,6 @@ from vlrft.distributed import (
     isend_object_to,
     receive_weights,
     recv_object_from,
-    VersionBoard,
 )
 from vlrft.distributed import world_size as role_world_size
 from vlrft.multiturn.in_flight import InFlight
@@ -47,6 +46,7 @@ from vlrft.trainer.checkpoint_io import TrainingStopped, save_checkpoint
 from vlrft.trainer.checkpoint_read import load_state, restoring
 from vlrft.trainer.dynamic_sampling import draw_prompts, round_seed
 from vlrft.trainer.weights_delivery import POLL_S, WEIGHTS_SOURCE, take_version
+from vlrft.trainer.version_board import VersionBoard
 
 # How often a decoding rollout rank with partial rollouts looks there for new weights: a look
 # is a round trip to the store, which every decoding step would pay otherwise (8% of a tiny

@@ -13,7 +13,7 @@ from vlrft.distributed import all_gather_1d
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import token_logprobs
 from vlrft.models.packing import micro_batches
-from vlrft.models.sequence_parallel import combine, run_shard
+from vlrft.models.sequence_parallel import combine
 from vlrft.types import Experience, Prompt, Rollout
 
 END_OF_TURN = "<|im_end|>"  # what a Qwen chat model emits to end its answer
@@ -101,7 +101,7 @@ def response_logprobs(trainer, prompts: list[dict], responses: list[list]) -> li
     placeholder = trainer.bad_input.placeholder(trainer.encoder, trainer.train_rows).rollout
     sums: dict[int, float] = {}
     for batch in micro_batches(rollouts, trainer.cfg.train.micro_batch_tokens, placeholder, share=trainer.cfg.train.share_prompts):
-        logp = combine(token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature), run_shard())
+        logp = combine(token_logprobs(trainer.backend.model, batch, trainer.cfg.rollout.temperature))
         if not batch.dummy and batch.owned:
             for rollout, row in zip(batch.samples, gather_responses(batch, logp, "cpu")):
                 sums[id(rollout)] = float(row.sum())

@@ -26,7 +26,7 @@ from vlrft.errors import VlrftError
 from vlrft.models.collate import gather_responses
 from vlrft.models.forward import policy_forward
 from vlrft.models.packing import micro_batches
-from vlrft.models.sequence_parallel import combine, run_shard
+from vlrft.models.sequence_parallel import combine
 from vlrft.types import Experience, Rollout
 
 # Logprobs are compared at temperature 1: the check is about weights, not sampling settings.
@@ -86,7 +86,7 @@ def trainer_logprobs(model: torch.nn.Module, probe: Rollout) -> torch.Tensor:
     # (Sequence parallelism: the group's probes, one micro-batch each, run by all of its ranks.)
     mine = None
     for batch in micro_batches([probe], len(probe.prompt.prompt_ids) + len(probe.response_ids)):
-        logp = combine(policy_forward(model, batch, PROBE_TEMPERATURE).logp, run_shard())
+        logp = combine(policy_forward(model, batch, PROBE_TEMPERATURE).logp)
         mine = gather_responses(batch, logp, "cpu")[0] if batch.owned else mine
     return mine
 

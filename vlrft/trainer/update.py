@@ -101,7 +101,7 @@ def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tens
     (with sequence parallelism, summed over the group)."""
     if batch.dummy:
         return logp
-    logp, entropy = combine(logp, run_shard()), combine(entropy, run_shard())  # (every rank of the group)
+    logp, entropy = combine(logp), combine(entropy)  # (every rank of the group)
     if not batch.owned:
         return logp
     for sample, old, h in zip(batch.samples, gather_responses(batch, logp, "cpu"), gather_responses(batch, entropy, "cpu")):

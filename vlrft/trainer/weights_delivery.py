@@ -18,8 +18,8 @@ from vlrft.distributed import (
     new_groups,
     receive_weights,
     take_role,
-    VersionBoard,
 )
+from vlrft.trainer.version_board import VersionBoard
 
 WEIGHTS_SOURCE = 0  # the global rank that broadcasts new weights: trainer rank 0
 POLL_S = 0.01  # how often a waiting rollout rank looks at the job's store

@@ -4,9 +4,9 @@ against the same micro-batch run whole on each rank.
 
 Every rank builds the same rollouts (seeded), packs them, runs them whole (the reference), then
 sharded: the per-token outputs summed over the ranks and the gradients summed over the ranks
-must equal the reference's. Writes the largest differences (relative to the largest element for
-gradients) to OUT as JSON, from rank 0.
-Usage (under torchrun): sequence_parallel_worker.py CASE MODEL_DIR DATA_DIR OUT
+must equal the reference's. Writes each case's largest differences (relative to the largest
+element for gradients) to OUT as JSON, from rank 0.
+Usage (under torchrun): sequence_parallel_worker.py CASE[,CASE...] MODEL_DIR DATA_DIR OUT
 CASE: text | vl | vl-shared | video | qwen3-vl (the mixed rollouts, shared, on a Qwen3-VL model) |
 vl-checkpointed-frozen (gradient checkpointing on, the vision tower frozen: the rank that
 encodes the images has no gradient into them, the other has its embeddings')
@@ -59,8 +59,9 @@ def run(policy, critic, batch, weights):
     return [t.detach() for t in (out.logp, out.entropy, values)], grads
 
 
-def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
-    from vlrft.distributed import all_reduce_sum, init_distributed, new_groups, rank, sum_over, world_size
+def compare(case: str, model_dir: str, data_dir: str, group) -> dict:
+    """One case: the micro-batch run whole on each rank, then shared by the ranks of `group`."""
+    from vlrft.distributed import all_reduce_sum, rank, sum_over, world_size
     from vlrft.models.loader import enable_gradient_checkpointing, freeze_vision_tower, load_model
     from vlrft.models.packing import pack
     from vlrft.models.sdpa_segments import SDPA_SEGMENTS
@@ -68,7 +69,6 @@ def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
     from vlrft.models.ulysses import SequenceShard
     from vlrft.models.value_model import ValueModel
 
-    init_distributed()
     torch.manual_seed(0)
     policy = load_model(model_dir, attention=SDPA_SEGMENTS)
     critic = ValueModel(load_model(model_dir, attention=SDPA_SEGMENTS))
@@ -83,14 +83,13 @@ def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
     weights = torch.rand(3, *batch.input_ids.shape, generator=g)
     whole, whole_grads = run(policy, critic, batch, weights)
 
-    group = new_groups([list(range(world_size()))])[0]
     shard = SequenceShard(group, rank(), world_size())
     for model in (policy, critic):
         shard_model(model, shard)
     parts, part_grads = run(policy, critic, batch, weights)
     summed = [sum_over(t, group) for t in parts]
     grads = all_reduce_sum(part_grads)
-    result = {
+    return {
         "tokens": batch.input_ids.shape[1],
         "scored_here": int((parts[0] != 0).sum()),
         "scored": int((whole[0] != 0).sum()),
@@ -98,8 +97,17 @@ def main(case: str, model_dir: str, data_dir: str, out_file: str) -> None:
         "gradient": float((grads - whole_grads).abs().max() / whole_grads.abs().max()),
         "gradient_elements": int(whole_grads.numel()),
     }
+
+
+def main(cases: str, model_dir: str, data_dir: str, out_file: str) -> None:
+    """`cases`: comma-separated, run one after the other in this launch."""
+    from vlrft.distributed import init_distributed, new_groups, rank, world_size
+
+    init_distributed()
+    group = new_groups([list(range(world_size()))])[0]
+    results = {case: compare(case, model_dir, data_dir, group) for case in cases.split(",")}
     if rank() == 0:
-        Path(out_file).write_text(json.dumps(result))
+        Path(out_file).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

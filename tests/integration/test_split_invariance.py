@@ -32,8 +32,23 @@ def gradients(model, data, micro_batch_tokens, ranks, out, share="strided", zero
     return torch.load(out)
 
 
-def test_gradient_is_split_invariant_over_micro_batches_and_ranks(tiny_text, addition_data, tmp_path):
-    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt")
+@pytest.fixture(scope="session")
+def one_rank(tiny_text, addition_data, tmp_path_factory):
+    """prompts -> the reference: one rank, one micro-batch, full fine-tuning (computed once per
+    test process, shared by the tests that compare against it)."""
+    found = {}
+
+    def reference(prompts: str = "distinct"):
+        if prompts not in found:
+            found[prompts] = gradients(tiny_text, addition_data, 100000, 1, tmp_path_factory.mktemp("whole") / "whole.pt",
+                                       prompts=prompts)
+        return found[prompts]
+
+    return reference
+
+
+def test_gradient_is_split_invariant_over_micro_batches_and_ranks(tiny_text, addition_data, tmp_path, one_rank):
+    whole = one_rank()
     micro = gradients(tiny_text, addition_data, 40, 1, tmp_path / "micro.pt")
     ranks = gradients(tiny_text, addition_data, 40, 2, tmp_path / "ranks.pt")
     balanced = gradients(tiny_text, addition_data, 40, 2, tmp_path / "balanced.pt", share="balanced")
@@ -56,11 +71,11 @@ def test_lora_gradient_is_the_same_under_zero3_micro_batches(tiny_text, addition
         assert rel <= 1e-5, f"{mode}, LoRA under ZeRO-3: relative gradient difference {rel:.2e}"
 
 
-def test_zero3_ranks_with_more_lm_head_chunks_than_their_peers_agree(tiny_text, addition_data, tmp_path):
+def test_zero3_ranks_with_more_lm_head_chunks_than_their_peers_agree(tiny_text, addition_data, tmp_path, one_rank):
     """ZeRO-3 gathers the LM head in every call: with 3-token chunks, rank 0's micro-batches (7 of
     the 8 responses before balancing) need more head calls than rank 1's; each rank still makes
     as many as the busiest (models/chunked.py), and the gradient is the single-rank one."""
-    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt")
+    whole = one_rank()
     split = gradients(tiny_text, addition_data, 100000, 2, tmp_path / "split.pt", share="balanced", zero_stage=3,
                       chunk_tokens=3)
     mode = "token-mean"
@@ -69,10 +84,10 @@ def test_zero3_ranks_with_more_lm_head_chunks_than_their_peers_agree(tiny_text, 
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_shared_prompt_gradient_equals_the_unshared_one_on_two_ranks(tiny_text, addition_data, tmp_path, zero_stage):
+def test_shared_prompt_gradient_equals_the_unshared_one_on_two_ranks(tiny_text, addition_data, tmp_path, zero_stage, one_rank):
     """Pairs of responses to one prompt: one unshared micro-batch on one rank = shared prompts
     split over micro-batches (the 23 + 7 + 12 token pair is cut in two at 40) and 2 balanced ranks."""
-    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt", prompts="shared-off")
+    whole = one_rank("shared-off")
     shared = gradients(tiny_text, addition_data, 40, 2, tmp_path / "shared.pt", share="balanced",
                        zero_stage=zero_stage, prompts="shared")
     for mode, reference in whole.items():
@@ -106,12 +121,12 @@ def test_bf16_weights_sum_gradients_in_fp32_over_micro_batches_and_ranks(tiny_te
 
 
 @pytest.mark.parametrize("ranks, zero_stage, prompts", [(2, 2, "distinct"), (2, 3, "shared"), (4, 2, "distinct")])
-def test_sequence_parallel_gradient_equals_the_single_rank_one(tiny_text, addition_data, tmp_path, ranks, zero_stage, prompts):
+def test_sequence_parallel_gradient_equals_the_single_rank_one(tiny_text, addition_data, tmp_path, ranks, zero_stage, prompts,
+                                                              one_rank):
     """train.sequence_parallel 2: each micro-batch's tokens split over 2 ranks (with 4 ranks, 2
     groups of 2 data-parallel): the update's gradient is the one-rank one, in every loss
     aggregation (a sequence mean divides by the whole sequence's tokens, not a shard's)."""
-    whole = gradients(tiny_text, addition_data, 100000, 1, tmp_path / "whole.pt",
-                      prompts="shared-off" if prompts == "shared" else prompts)
+    whole = one_rank("shared-off" if prompts == "shared" else prompts)
     split = gradients(tiny_text, addition_data, 40, ranks, tmp_path / "split.pt", zero_stage=zero_stage,
                       share="balanced" if prompts == "shared" else "strided", prompts=prompts, sequence_parallel=2)
     for mode, reference in whole.items():

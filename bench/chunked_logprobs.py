@@ -44,7 +44,7 @@ def run_variant(variant: str, tokens: int, chunk: int) -> dict:
         logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
         entropy = token_entropy(logits)
     else:
-        logp, entropy = chunked_token_stats(hidden, targets, head, 1.0, chunk_tokens=chunk)
+        logp, entropy, _ = chunked_token_stats(hidden, targets, head, 1.0, chunk_tokens=chunk)
     (logp.sum() + 0.01 * entropy.sum()).backward()
     return {"variant": variant, "peak_extra_mib": peak_mib() - base, "seconds": time.perf_counter() - start}
 

@@ -160,9 +160,13 @@ class KLConfig:
 class DistillConfig:
     # On-policy distillation (teacher.path set): per token d = log pi_student - log pi_teacher of
     # the sampled token. advantage: -coef * d added to each token's advantage; loss: coef * d^2 / 2
-    # added to each token's loss (algo/distill.py).
+    # added to each token's loss; jsd: coef * the generalised JSD between the teacher's and the
+    # student's distributions over the teacher's top_k tokens, added to each token's loss
+    # (algo/distill.py).
     mode: str = "advantage"
     coef: float = 1.0
+    top_k: int = 20  # jsd: the teacher's most likely tokens kept at each position (<= 256)
+    beta: float = 0.5  # jsd: 0 = forward KL(teacher || student), 1 = reverse KL, between: JSD
 
 
 @dataclass

@@ -262,10 +262,33 @@ def _validate_distillation(cfg: Config) -> None:
         raise ConfigError(f"config key 'algo.distill.mode' is '{distill.mode}'; valid: {', '.join(DISTILL_MODES)}")
     if not distill.coef > 0:
         raise ConfigError(f"config key 'algo.distill.coef' must be > 0, got {distill.coef}")
+    _validate_top_k_distillation(cfg)
     if teacher.compute_dtype not in ("", "float32", "bfloat16"):
         raise ConfigError(f"config key 'teacher.compute_dtype' is '{teacher.compute_dtype}'; valid: float32, bfloat16 "
                           "(empty: model.compute_dtype)")
     _validate_remote_teacher(teacher)
+
+
+def _validate_top_k_distillation(cfg: Config) -> None:
+    """algo.distill.mode jsd: its keys in range, a head that gives every top-k token's logprob."""
+    from vlrft.algo.distill import MAX_TOP_K
+
+    distill = cfg.algo.distill
+    if distill.mode != "jsd":
+        changed = next((k for k in ("top_k", "beta") if getattr(distill, k) != getattr(DistillConfig(), k)), None)
+        if changed:
+            raise ConfigError(f"config key 'algo.distill.{changed}' applies to algo.distill.mode jsd")
+        return
+    if not 1 <= distill.top_k <= MAX_TOP_K:
+        raise ConfigError(f"config key 'algo.distill.top_k' must be in 1..{MAX_TOP_K}, got {distill.top_k}")
+    if not 0.0 <= distill.beta <= 1.0:
+        raise ConfigError(f"config key 'algo.distill.beta' must be in [0, 1], got {distill.beta}")
+    if cfg.teacher.url:
+        raise ConfigError("config key 'algo.distill.mode' jsd needs a local teacher (teacher.path): a teacher server "
+                          "answers the sampled tokens' logprobs only")
+    if cfg.model.fused_head == "liger":
+        raise ConfigError("config key 'algo.distill.mode' jsd needs the student's logprob of every top-k token, which "
+                          "model.fused_head liger does not give: use model.fused_head auto or chunked")
 
 
 def _validate_remote_teacher(teacher: TeacherConfig) -> None:

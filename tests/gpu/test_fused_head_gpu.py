@@ -43,7 +43,7 @@ def run(kind, weight, hidden, targets, upstream):
     torch.cuda.reset_peak_memory_stats()
     start_bytes, start = torch.cuda.memory_allocated(), time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):  # as decoder_autocast runs the head
-        logp, entropy = head_token_stats(model, hidden, targets, TEMPERATURE)
+        logp, entropy, _ = head_token_stats(model, hidden, targets, TEMPERATURE)
     (logp * upstream[0] + 0.1 * entropy * upstream[1]).sum().backward()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ micro-batch (train.sequence_parallel), the model on sdpa_segments. PROMPTS "shar
 the micro-batches carry it once (train.share_prompts); "shared-off": the same pairs, unshared;
 "distinct" (default): 8 prompts, unshared. CHUNK_TOKENS in the environment: the LM head's chunk
 (models/chunked.py) made that small, so ranks make different numbers of head calls.
+Every experience carries a teacher's top-4 tokens, so the loss has distillation's jsd term too.
 Usage: grad_worker.py MODEL_DIR TRAIN_JSONL MICRO_BATCH_TOKENS OUT_FILE [SHARE [ZERO_STAGE [LORA_RANK [PROMPTS]]]]
 """
 
@@ -50,8 +51,8 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
     if os.environ.get("CHUNK_TOKENS"):
         import vlrft.models.forward as forward
 
-        moe_aux, keep_logits, _ = forward.policy_forward.__defaults__
-        forward.policy_forward.__defaults__ = (moe_aux, keep_logits, int(os.environ["CHUNK_TOKENS"]))
+        moe_aux, keep_logits, _, top_ids = forward.policy_forward.__defaults__
+        forward.policy_forward.__defaults__ = (moe_aux, keep_logits, int(os.environ["CHUNK_TOKENS"]), top_ids)
     encoder = PromptEncoder(model_dir, 3136, 12544, 1024)
     rows = load_rows(train_path)
     g = torch.Generator().manual_seed(0)
@@ -70,6 +71,9 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
                 old_logprobs=-6.5 + 0.5 * torch.randn(length, generator=g),
                 ref_logprobs=-6.5 + 0.5 * torch.randn(length, generator=g),
                 advantages=torch.randn(length, generator=g),
+                # A teacher's top-4 tokens and logprobs at each token (distillation's jsd term).
+                teacher_topk_ids=torch.randint(10, 600, (length, 4), generator=g),
+                teacher_topk_logprobs=-2.0 + torch.randn(length, 4, generator=g),
             )
         )
     if share == "balanced":
@@ -85,6 +89,8 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
             f"model.path={model_dir}", f"data.train_path={train_path}", f"algo.loss_agg_mode={mode}",
             "algo.kl.coef=0.1", "algo.entropy_coef=0.01", "algo.dual_clip_c=3", "rollout.rollout_prompts=4",
             f"train.micro_batch_tokens={micro_batch_tokens}", "train.grad_clip=0", f"train.share_prompts={prompts == 'shared'}",
+            f"teacher.path={model_dir}", "algo.distill.mode=jsd", "algo.distill.top_k=4", "algo.distill.coef=0.5",
+            "algo.distill.beta=0.3",
         ])
         torch.manual_seed(0)
         model = load_model(model_dir, attention=SDPA_SEGMENTS if shard else "sdpa")

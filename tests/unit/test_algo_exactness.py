@@ -78,7 +78,7 @@ def test_entropy_of_confident_tokens_is_exact():
     head = torch.nn.Linear(4096, 4096, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.eye(4096))
-    _, chunked = chunked_token_stats(logits, torch.zeros(16, dtype=torch.long), head, 1.0)
+    _, chunked, _ = chunked_token_stats(logits, torch.zeros(16, dtype=torch.long), head, 1.0)
     assert ((chunked.double() - exact).abs() / exact).max() < 1e-5
 
 

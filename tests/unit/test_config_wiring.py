@@ -345,7 +345,7 @@ def test_compiled_layers_give_the_eager_update(setup, baseline):
     torch.testing.assert_close(compiled, baseline, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["advantage", "loss"])
+@pytest.mark.parametrize("mode", ["advantage", "loss", "jsd"])
 def test_a_teacher_changes_the_update(mode, setup, baseline):
     changed, _ = update_after_one_step(setup[1] + [f"teacher.path={setup[2]}", f"algo.distill.mode={mode}"])
     assert not torch.allclose(changed, baseline, rtol=1e-3, atol=1e-7), mode
@@ -362,3 +362,16 @@ def test_pure_distillation_trains_without_a_reward_recipe(setup):
     trainer = SPMDTrainer(load_config(None, pure + [f"teacher.path={setup[2]}"]))
     metrics = trainer.train_step()
     assert metrics["rollout/reward_mean"] == 0 and metrics["distill/reverse_kl"] != 0 and metrics["train/grad_norm"] > 0
+
+
+def test_jsd_distillation_measures_the_top_k_divergence(setup):
+    # The student's own checkpoint as its teacher: the divergence over its top-k tokens is 0
+    # (rounding); another model's: above 0, and the update trains on it with every reward 0.
+    from vlrft.trainer.spmd_trainer import SPMDTrainer
+
+    # One optimizer step: the metric is the last step's, and a second epoch's student has moved.
+    pure = setup[1] + ["reward.default=[]", "algo.kl.coef=0", "algo.distill.mode=jsd", "algo.distill.top_k=8", "train.ppo_epochs=1"]
+    itself = SPMDTrainer(load_config(None, pure + [f"teacher.path={setup[1][0].split('=', 1)[1]}"])).train_step()
+    assert abs(itself["train/distill_jsd"]) < 1e-6 and itself["distill/reverse_kl"] == 0
+    other = SPMDTrainer(load_config(None, pure + [f"teacher.path={setup[2]}"])).train_step()
+    assert other["train/distill_jsd"] > 1e-3 and other["train/grad_norm"] > 0

@@ -17,8 +17,9 @@ from vlrft.types import Experience
 
 @dataclass(frozen=True)
 class DistillSettings:
-    mode: str  # algo.distill.mode: advantage | loss
+    mode: str  # algo.distill.mode: advantage | loss | jsd
     coef: float  # algo.distill.coef
+    top_k: int = 0  # algo.distill.top_k in jsd mode: the teacher's most likely tokens kept per position; else 0
 
 
 def distill_experiences(
@@ -28,10 +29,13 @@ def distill_experiences(
     """Sets each experience's `teacher_logprobs`; returns the advantages ([N, R]) with the
     teacher's term in advantage mode (unchanged in loss mode) and the distillation metrics over
     all ranks (a collective). `per_token` holds the pass's "old" (the student's) and "teacher" /
-    "teacher_top" rows; `estimated` [N, R] marks the tokens advantages are estimated on."""
+    "teacher_top" rows (and in jsd mode "teacher_topk_ids" / "teacher_topk_logprobs", kept on
+    the experiences for the update); `estimated` [N, R] marks the tokens advantages are estimated on."""
     width = advantages.shape[1]
-    for e, teacher in zip(experiences, per_token["teacher"]):
+    for i, (e, teacher) in enumerate(zip(experiences, per_token["teacher"])):
         e.teacher_logprobs = teacher
+        if per_token.get("teacher_topk_ids"):  # jsd: [R, k] each
+            e.teacher_topk_ids, e.teacher_topk_logprobs = per_token["teacher_topk_ids"][i], per_token["teacher_topk_logprobs"][i]
     student, teacher = pad_rows(per_token["old"], width), pad_rows(per_token["teacher"], width)  # [N, R]
     if settings.mode == "advantage":
         advantages = advantages + distill_advantages(student, teacher, estimated, settings.coef)

@@ -294,7 +294,7 @@ class FastExperienceMaker:
     @torch.no_grad()
     def forward_pass(self, rollouts: list[Rollout], placeholder: Rollout | None = None) -> dict[str, list[torch.Tensor]]:
         """Per rollout, response-token tensors ([R_i]): old, entropy, ref, kl (policy vs reference),
-        values and the teacher's teacher/teacher_top, with the trainer's own forward, one
+        values and the teacher's teacher/teacher_top (and [R_i, k] teacher_topk_ids/logprobs), with the trainer's own forward, one
         micro-batch at a time (a remote teacher: one call for all of this rank's rollouts). With
         no rollouts, `placeholder` is run as a dummy micro-batch so this rank still joins its
         peers' forwards."""
@@ -318,7 +318,10 @@ class FastExperienceMaker:
                     found["kl"] = KL_ESTIMATORS.get(s.kl.estimator)(policy.logp, ref.logp)
             if self.local_teacher:
                 started = time.perf_counter()
-                found["teacher"], found["teacher_top"] = teacher_scores(self.teacher, batch, temperature)
+                scores = teacher_scores(self.teacher, batch, temperature, s.distill.top_k)
+                found["teacher"], found["teacher_top"] = scores.logp, scores.argmax
+                if scores.top_ids is not None:  # algo.distill.mode jsd
+                    found["teacher_topk_ids"], found["teacher_topk_logprobs"] = scores.top_ids, scores.top_logp
                 self.teacher_seconds += time.perf_counter() - started
             if self.critic is not None:
                 found["values"] = token_values(self.critic(), batch)
@@ -334,7 +337,8 @@ class FastExperienceMaker:
                         found_for.setdefault(id(rollout), {})[key] = row
         computed = {key for found in found_for.values() for key in found}
         rows = {key: [found_for[id(r)][key] for r in rollouts] if key in computed else []
-                for key in ("old", "entropy", "ref", "kl", "values", "teacher", "teacher_top")}
+                for key in ("old", "entropy", "ref", "kl", "values", "teacher", "teacher_top", "teacher_topk_ids",
+                            "teacher_topk_logprobs")}
         if self.teacher is not None and not self.local_teacher:
             started = time.perf_counter()
             rows["teacher"], rows["teacher_top"] = self.teacher.score(rollouts, temperature)

@@ -16,11 +16,12 @@ LOGIT_CHUNK_TOKENS = 1024  # 1024 x 150k fp32 logits = 0.6 GB: bounded whatever 
 
 
 def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
+    """`targets` [c, 1 + k]: each token's own id, then k more whose logprobs are wanted too."""
     # The head's matmul in the caller's autocast dtype; logsumexp and softmax in fp32.
     logits = head(hidden).float() / temperature  # [c, V] this chunk only
-    lse = torch.logsumexp(logits, dim=-1)  # [c]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [c]
-    return logp, token_entropy(logits)  # [c], [c]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
+    logp = logits.gather(-1, targets) - lse  # [c, 1 + k]
+    return logp, token_entropy(logits)  # [c, 1 + k], [c]
 
 
 def head_calls(head: torch.nn.Module, chunks: int) -> int:
@@ -41,9 +42,14 @@ def chunked_token_stats(
     head: torch.nn.Module,
     temperature: float,
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each target, entropy of its distribution), both [N], from hidden [N, H]
-    (N >= 1 under ZeRO-3: each rank calls this once per micro-batch, with a token at least)."""
+    also: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each target, entropy of its distribution, both [N]; the logprobs of the ids
+    in `also` [N, k], [N, 0] without it) from hidden [N, H] (N >= 1 under ZeRO-3: each rank
+    calls this once per micro-batch, with a token at least)."""
+    if also is None:
+        also = targets.new_zeros(targets.shape[0], 0)
+    targets = torch.cat([targets[:, None], also], dim=1)  # [N, 1 + k]
     logps, entropies = [], []
     starts = list(range(0, hidden.shape[0], chunk_tokens))
     # Under ZeRO-3, calls on the first token that add nothing (x 0) but are in the graph, so
@@ -67,5 +73,6 @@ def chunked_token_stats(
         entropies.append(entropy)
     if not logps:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logps), torch.cat(entropies)
+        return empty, empty, hidden.new_zeros(targets.shape[0], targets.shape[1] - 1, dtype=torch.float32)
+    logp = torch.cat(logps)  # [N, 1 + k]
+    return logp[:, 0], torch.cat(entropies), logp[:, 1:]

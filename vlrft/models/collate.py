@@ -72,15 +72,26 @@ def gather_responses(batch: MicroBatch, per_token: torch.Tensor, device: torch.d
     return list(torch.split(selected.to(device) if device is not None else selected, lengths))
 
 
+def scatter_responses(batch: MicroBatch, rows: list[torch.Tensor]) -> torch.Tensor:
+    """`gather_responses` undone: each sample's [R_i, ...] values at its response tokens in the
+    batch's layout, zeros elsewhere. [B, L, ...] on the rows' device, in their dtype."""
+    whole = torch.cat(rows)  # [sum R_i, ...]
+    out = whole.new_zeros(batch.response_mask.shape + whole.shape[1:])
+    out[batch.response_mask.bool().to(whole.device)] = whole
+    return out
+
+
 def pad_rows(rows: list[torch.Tensor], width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-    """Left-aligned [R_i] tensors -> float32 [N, width] with zeros after each row, built where
-    the rows are and then moved to `device` (default: the rows' device, so a GPU forward's
-    rows stay on the GPU with their gradients). Rows must share one device."""
+    """Left-aligned [R_i] (or [R_i, k]) tensors -> float32 [N, width] (or [N, width, k]) with
+    zeros after each row, built where the rows are and then moved to `device` (default: the
+    rows' device, so a GPU forward's rows stay on the GPU with their gradients). Rows must
+    share one device."""
     width = max((len(r) for r in rows), default=0) if width is None else width
     if not rows:
         return torch.zeros((0, width), dtype=torch.float32, device=device)
-    padded = torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)  # [N, max R_i]
-    padded = torch.nn.functional.pad(padded, (0, width - padded.shape[1]))  # [N, width]
+    padded = torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)  # [N, max R_i, ...]
+    after = (0, 0) * (padded.dim() - 2)  # no padding of the trailing dims
+    padded = torch.nn.functional.pad(padded, after + (0, width - padded.shape[1]))  # [N, width, ...]
     return padded.to(device) if device is not None else padded
 
 

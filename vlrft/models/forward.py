@@ -35,6 +35,17 @@ class ForwardOut:
     entropy: torch.Tensor  # [B, L] entropy of the sampling distribution at each response token
     logits: torch.Tensor | None = None  # [B, L-1, V] temperature-scaled, [:, p-1] predicting token p; only with keep_logits
     aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when requested
+    top_logp: torch.Tensor | None = None  # [B, L, k] logprobs of the ids asked for by `top_ids`, when asked
+
+
+@dataclass
+class TeacherScores:
+    """A frozen teacher's view of the response tokens, 0 elsewhere (`teacher_scores`)."""
+
+    logp: torch.Tensor  # [B, L] logprob of each sampled token
+    argmax: torch.Tensor  # [B, L] 1.0 where the sampled token is the teacher's most likely
+    top_ids: torch.Tensor | None = None  # [B, L, k] the teacher's k most likely tokens (long), with top_k
+    top_logp: torch.Tensor | None = None  # [B, L, k] their logprobs
 
 
 def policy_forward(
@@ -44,9 +55,12 @@ def policy_forward(
     moe_aux: bool = False,
     keep_logits: bool = False,
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+    top_ids: torch.Tensor | None = None,
 ) -> ForwardOut:
     """Logprobs and entropy at the response tokens, from logits divided by the sampling
-    temperature (so they are those of the distribution the engine sampled from).
+    temperature (so they are those of the distribution the engine sampled from); with
+    `top_ids` ([B, L, k] ids at each response token: distillation's teacher's top-k), also the
+    logprobs of those ids at each response token's position (`top_logp`).
 
     The decoder runs once; the LM head runs only on the positions that predict response
     tokens, a chunk at a time, unless `keep_logits` (the exact vocabulary KL needs them all).
@@ -57,7 +71,7 @@ def policy_forward(
     context = getattr(model, "forward_context", contextlib.nullcontext)
     with decoder_autocast(inner), context():
         hidden, base = _decoder(inner, batch, extra)
-        return _head_stats(inner, batch, hidden, base, temperature, moe_aux, keep_logits, chunk_tokens)
+        return _head_stats(inner, batch, hidden, base, temperature, moe_aux, keep_logits, chunk_tokens, top_ids)
 
 
 def _decoder(inner, batch: MicroBatch, extra: dict):
@@ -67,11 +81,11 @@ def _decoder(inner, batch: MicroBatch, extra: dict):
 
 
 @torch.no_grad()
-def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float,
-                   chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    """A frozen teacher's view of the response tokens: ([B, L] logprob of each, as
-    `policy_forward` computes it; [B, L] 1.0 where the token is the teacher's most likely),
-    0 elsewhere. The LM head runs a chunk of tokens at a time (the logits are [chunk, V])."""
+def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float, top_k: int = 0,
+                   chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> TeacherScores:
+    """A frozen teacher's view of the response tokens (logprobs as `policy_forward` computes
+    them), with `top_k` its k most likely tokens at each. The LM head runs a chunk of tokens at
+    a time (the logits are [chunk, V])."""
     inner = getattr(model, "module", model)
     with decoder_autocast(inner):
         hidden, _ = _decoder(inner, batch, {})
@@ -79,18 +93,33 @@ def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float
         sample, token = scored.nonzero(as_tuple=True)
         predicting = hidden[sample, predictor_rows(batch).to(hidden.device)[sample, token]]  # [N, H]
         targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
-        logps, tops = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
+        k = min(top_k, inner.lm_head.out_features)
+        logps, tops, top_ids, top_logps = [], [], [], []
         for start in range(0, predicting.shape[0], chunk_tokens):
             logits = inner.lm_head(predicting[start : start + chunk_tokens]).float() / temperature  # [c, V]
             target = targets[start : start + chunk_tokens]
-            logps.append(logits.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
+            logps.append((logits.gather(-1, target[:, None]) - lse).squeeze(-1))
             tops.append((logits.argmax(dim=-1) == target).float())
-    logp = torch.zeros(scored.shape, device=hidden.device).masked_scatter(scored, torch.cat(logps))
-    return logp, torch.zeros(scored.shape, device=hidden.device).masked_scatter(scored, torch.cat(tops))
+            best, ids = logits.topk(k, dim=-1)  # [c, k]
+            top_ids.append(ids)
+            top_logps.append(best - lse)
+
+    def place(chunks: list[torch.Tensor], width: tuple = ()) -> torch.Tensor:  # [N, ...] chunks -> [B, L, ...]
+        out = torch.zeros(scored.shape + width, device=hidden.device, dtype=chunks[0].dtype if chunks else torch.float32)
+        if chunks:
+            out[scored] = torch.cat(chunks)
+        return out
+
+    scores = TeacherScores(place(logps), place(tops))
+    if top_k:
+        scores.top_ids, scores.top_logp = place(top_ids, (k,)), place(top_logps, (k,))
+    return scores
 
 
 def _head_stats(
-    inner, batch: MicroBatch, hidden: torch.Tensor, base, temperature: float, moe_aux: bool, keep_logits: bool, chunk_tokens: int
+    inner, batch: MicroBatch, hidden: torch.Tensor, base, temperature: float, moe_aux: bool, keep_logits: bool, chunk_tokens: int,
+    top_ids: torch.Tensor | None,
 ) -> ForwardOut:
     """The LM-head half of `policy_forward` (under its autocast); `hidden` [B, L, H] in the
     compute dtype."""
@@ -105,22 +134,33 @@ def _head_stats(
         targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
         keep = scored[:, 1:].float()
-        return ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
+        out = ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
+        if top_ids is not None:  # [B, L-1, k] for tokens 1..L-1, then at each token's own position
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, top_ids[:, 1:].to(hidden.device)) * keep[..., None]
+            out.top_logp = torch.nn.functional.pad(chosen, (0, 0, 1, 0))
+        return out
     if not scored.any():
         # Nothing to score (empty responses): a zero still wired through the whole model, so the
         # backward reaches every parameter on every rank, as the sharded backends expect. It
         # goes through the same LM-head call (models/fused_head.py) as one scored token: ZeRO-3
         # gathers parameters per module call (the fused head: per call), so every rank makes
         # one call per micro-batch (and the chunked head as many chunks as the busiest rank).
-        zero, _ = head_token_stats(inner, hidden[0, :1], batch.input_ids[0, :1].to(hidden.device), temperature, chunk_tokens)
+        zero, _, _ = head_token_stats(inner, hidden[0, :1], batch.input_ids[0, :1].to(hidden.device), temperature, chunk_tokens)
         logp = hidden.new_zeros(scored.shape, dtype=torch.float32) + 0.0 * zero.sum()
-        return ForwardOut(logp=logp, entropy=torch.zeros_like(logp).detach(), aux_loss=aux)
+        top_logp = None if top_ids is None else torch.zeros(top_ids.shape, device=hidden.device) + 0.0 * zero.sum()
+        return ForwardOut(logp=logp, entropy=torch.zeros_like(logp).detach(), aux_loss=aux, top_logp=top_logp)
     sample, token = scored.nonzero(as_tuple=True)  # [N] each, in row order
     targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
-    logp_sel, entropy_sel = head_token_stats(inner, hidden[sample, rows[sample, token]], targets, temperature, chunk_tokens)
+    also = None if top_ids is None else top_ids.to(hidden.device)[sample, token]  # [N, k]
+    logp_sel, entropy_sel, also_sel = head_token_stats(inner, hidden[sample, rows[sample, token]], targets, temperature,
+                                                       chunk_tokens, also)
     logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32
     entropy = entropy_sel.new_zeros(scored.shape).masked_scatter(scored, entropy_sel)  # [B, L] fp32
-    return ForwardOut(logp=logp, entropy=entropy, aux_loss=aux)
+    out = ForwardOut(logp=logp, entropy=entropy, aux_loss=aux)
+    if top_ids is not None:
+        out.top_logp = also_sel.new_zeros(top_ids.shape)
+        out.top_logp[scored] = also_sel  # [B, L, k]
+    return out
 
 
 def scored_tokens(inner, batch: MicroBatch, device) -> torch.Tensor:

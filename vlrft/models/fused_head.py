@@ -92,14 +92,18 @@ def resolve_fused_head(requested: str, compute_dtype: str, head: torch.nn.Module
 
 def head_token_stats(
     causal_lm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each target, entropy of its distribution), both [N] fp32, from hidden [N, H]
-    through `causal_lm.lm_head`, by the head its `fused_head` attribute names (chunked if unset)."""
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS, also: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each target, entropy of its distribution, both [N] fp32; the logprobs of the
+    ids in `also` [N, k], [N, 0] without it) from hidden [N, H] through `causal_lm.lm_head`, by
+    the head its `fused_head` attribute names (chunked if unset; only it gives `also`'s)."""
     if getattr(causal_lm, "fused_head", "chunked") == "liger":
+        if also is not None:
+            raise ValueError("model.fused_head liger gives the sampled token's logprob only, not other ids'")
         dtype = getattr(causal_lm, "compute_dtype", torch.bfloat16)
-        return liger_token_stats(hidden, targets, causal_lm.lm_head.weight, temperature, dtype)
-    return chunked_token_stats(hidden, targets, causal_lm.lm_head, temperature, chunk_tokens)
+        logp, entropy = liger_token_stats(hidden, targets, causal_lm.lm_head.weight, temperature, dtype)
+        return logp, entropy, logp.new_zeros(logp.shape[0], 0)
+    return chunked_token_stats(hidden, targets, causal_lm.lm_head, temperature, chunk_tokens, also)
 
 
 def _liger_function():

@@ -133,8 +133,9 @@ class Teacher:
         rows: dict[int, tuple[list[float], list[int]]] = {}  # id(rollout) -> its rows (packing reorders)
         for batch in batches:
             with self.forward_lock:
-                logp, top = teacher_scores(self.model, batch, temperature)
-            for rollout, lp, hit in zip(batch.samples, gather_responses(batch, logp, "cpu"), gather_responses(batch, top, "cpu")):
+                scores = teacher_scores(self.model, batch, temperature)
+            for rollout, lp, hit in zip(batch.samples, gather_responses(batch, scores.logp, "cpu"),
+                                        gather_responses(batch, scores.argmax, "cpu")):
                 rows[id(rollout)] = (lp.tolist(), [int(h) for h in hit.tolist()])
         return [rows[id(r)][0] for r in rollouts], [rows[id(r)][1] for r in rollouts]
 

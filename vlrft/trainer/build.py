@@ -114,8 +114,16 @@ def maker_settings(cfg: Config, controller: FixedKLController, image_check=None,
         correction=correction_settings(cfg),
         policy_pass=not old_logprobs_from_update(cfg),
         multi_turn=multi_turn,
-        distill=DistillSettings(cfg.algo.distill.mode, cfg.algo.distill.coef) if cfg.teacher.enabled() else None,
+        distill=distill_settings(cfg),
     )
+
+
+def distill_settings(cfg: Config) -> DistillSettings | None:
+    """The experience pass's share of distillation (algo.distill.*); None without a teacher."""
+    if not cfg.teacher.enabled():
+        return None
+    distill = cfg.algo.distill
+    return DistillSettings(distill.mode, distill.coef, distill.top_k if distill.mode == "jsd" else 0)
 
 
 def correction_settings(cfg: Config) -> CorrectionSettings:
@@ -148,6 +156,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
         correction=correction_settings(cfg),
         value_clip=cfg.critic.value_clip,
         distill_loss_coef=cfg.algo.distill.coef if cfg.teacher.enabled() and cfg.algo.distill.mode == "loss" else 0.0,
+        distill_jsd_coef=cfg.algo.distill.coef if cfg.teacher.enabled() and cfg.algo.distill.mode == "jsd" else 0.0,
+        distill_jsd_beta=cfg.algo.distill.beta,
         kl_cov_ratio=cfg.algo.kl_cov_ratio,
         kl_cov_coef=cfg.algo.kl_cov_coef,
     )
@@ -167,8 +177,10 @@ def load_reference(cfg: Config, precision: tuple[str, str]) -> torch.nn.Module:
 
 def choose_fused_head(cfg: Config, model: torch.nn.Module) -> str:
     """`model.fused_head` resolved for `model` (policy or reference) and set on it, where
-    policy_forward reads it. Returns the head chosen."""
-    model.fused_head = resolve_fused_head(cfg.model.fused_head, cfg.model.compute_dtype, model.lm_head)
+    policy_forward reads it. Returns the head chosen. Distillation's jsd mode reads the student's
+    logprob of each of the teacher's top-k tokens, which only the chunked head gives."""
+    requested = "chunked" if cfg.teacher.enabled() and cfg.algo.distill.mode == "jsd" else cfg.model.fused_head
+    model.fused_head = resolve_fused_head(requested, cfg.model.compute_dtype, model.lm_head)
     return model.fused_head
 
 

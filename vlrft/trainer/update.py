@@ -12,14 +12,16 @@ from vlrft.algo import KL_ESTIMATORS, aggregate, normaliser_counts
 from vlrft.algo.entropy import entropy_threshold, high_entropy_mask
 from vlrft.algo.correction import correction_weights
 from vlrft.algo.cov_control import kl_cov_terms
-from vlrft.algo.distill import distill_loss_terms
+from vlrft.algo.distill import distill_loss_terms, top_k_jsd
 from vlrft.algo.kl import FULL_KL, full_kl
 from vlrft.algo.losses import LossSettings, policy_loss
 from vlrft.algo.shaping import approx_kl, should_stop_early
 from vlrft.backends.base import TrainBackend
 from vlrft.console import say
 from vlrft.experience.maker import CorrectionSettings
-from vlrft.models.collate import engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of
+from vlrft.models.collate import (
+    engine_logprob_rows, gather_responses, pad_rows, response_rows, rollout_of, scatter_responses,
+)
 from vlrft.metrics.flops import FlopCount, throughput_metrics
 from vlrft.models.packing import micro_batches
 from vlrft.models.sequence_parallel import combine, local_tokens, run_shard
@@ -52,6 +54,8 @@ class UpdateSettings:
     target_kl: float = 0.0  # algo.target_kl
     value_clip: float = 0.2  # critic.value_clip
     distill_loss_coef: float = 0.0  # algo.distill.coef with a teacher and algo.distill.mode loss; else 0
+    distill_jsd_coef: float = 0.0  # algo.distill.coef with a teacher and algo.distill.mode jsd; else 0
+    distill_jsd_beta: float = 0.5  # algo.distill.beta
     kl_cov_ratio: float = 0.0  # algo.kl_cov_ratio
     kl_cov_coef: float = 1.0  # algo.kl_cov_coef
 
@@ -61,7 +65,8 @@ class UpdateSettings:
 
 
 # The per-step sums the policy update all-reduces in one collective, by metric name.
-POLICY_SUMS = ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "ptx_nll", "moe_aux_loss", "model_flops", "tokens")
+POLICY_SUMS = ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "ptx_nll", "moe_aux_loss", "distill_jsd", "model_flops",
+               "tokens")
 
 
 def all_reduce_named(sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -92,6 +97,18 @@ def sample_rows(batch: MicroBatch, field: str, on: torch.device | str = "cpu") -
     """A per-token Experience field ([R_i] each, kept on the CPU between the experience pass
     and the update) in the loss layout, moved to `on` in one copy. [S, R]."""
     return pad_rows([getattr(e, field) for e in batch.samples], device=on)
+
+
+def teacher_top_k(batch: MicroBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Distillation's jsd mode: the teacher's top-k ids of each response token in the batch's
+    layout ([B, L, k], for the forward) and their teacher logprobs per sample ([R_i, k] each).
+    An empty response (a placeholder, a dummy) has none: [0, k]."""
+    k = next((e.teacher_topk_ids.shape[1] for e in batch.samples if getattr(e, "teacher_topk_ids", None) is not None), 1)
+
+    def rows(field: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [getattr(e, field) if len(rollout_of(e).response_ids) else torch.zeros(0, k, dtype=dtype) for e in batch.samples]
+
+    return scatter_responses(batch, rows("teacher_topk_ids", torch.long)), rows("teacher_topk_logprobs", torch.float32)
 
 
 def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
@@ -276,6 +293,8 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
         sums["model_flops"] += counter.micro_batch(batch) / shards
         row_tokens = batch.input_ids.numel() if batch.attention_mask is None else float(batch.attention_mask.sum())
         sums["tokens"] += row_tokens / shards
+        jsd = settings.distill_jsd_coef > 0 and not is_ptx
+        top_ids, teacher_top = teacher_top_k(batch) if jsd else (None, None)
         # The supervised term is the NLL of the model itself: no sampling temperature.
         out = policy_forward(
             backend.model,
@@ -283,6 +302,7 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
             1.0 if is_ptx else temperature,
             moe_aux=settings.moe_aux_coef > 0 and not is_ptx,
             keep_logits=kl_in_loss and full and not is_ptx,
+            top_ids=top_ids,
         )
         logp = response_rows(batch, out.logp)  # [S, R]
         if is_ptx:
@@ -330,6 +350,11 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
             if settings.distill_loss_coef > 0:  # on-policy distillation as a loss term (algo/distill.py)
                 teacher = sample_rows(batch, "teacher_logprobs", here)  # [S, R]
                 token_loss = token_loss + distill_loss_terms(logp, teacher, settings.distill_loss_coef)
+            if jsd:  # over the teacher's top-k tokens at each position (algo/distill.py)
+                divergence = top_k_jsd(response_rows(batch, out.top_logp), pad_rows(teacher_top, logp.shape[1], here),
+                                       settings.distill_jsd_beta)  # [S, R]
+                token_loss = token_loss + settings.distill_jsd_coef * divergence
+                sums["distill_jsd"] += (divergence.detach() * mask).sum()
             loss = aggregate(token_loss, mask, settings.loss_agg_mode, total_tokens, total_seqs, settings.max_response_tokens,
                              counted=loss_mask(batch, here))
             if out.aux_loss is not None:
@@ -366,4 +391,6 @@ def _one_step(backend, batches, ptx, ptx_tokens, settings: UpdateSettings, kl_co
         metrics["train/ptx_nll"] = totals["ptx_nll"]
     if settings.moe_aux_coef > 0:
         metrics["train/moe_aux_loss"] = totals["moe_aux_loss"]
+    if settings.distill_jsd_coef > 0:
+        metrics["train/distill_jsd"] = totals["distill_jsd"] / tokens
     return metrics

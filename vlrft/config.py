@@ -165,7 +165,7 @@ class DistillConfig:
     # (algo/distill.py).
     mode: str = "advantage"
     coef: float = 1.0
-    top_k: int = 20  # jsd: the teacher's most likely tokens kept at each position (<= 256)
+    top_k: int = 20  # jsd: the teacher's most likely tokens kept at each position (2..256)
     beta: float = 0.5  # jsd: 0 = forward KL(teacher || student), 1 = reverse KL, between: JSD
 
 

@@ -271,7 +271,7 @@ def _validate_distillation(cfg: Config) -> None:
 
 def _validate_top_k_distillation(cfg: Config) -> None:
     """algo.distill.mode jsd: its keys in range, a head that gives every top-k token's logprob."""
-    from vlrft.algo.distill import MAX_TOP_K
+    from vlrft.algo.distill import MAX_TOP_K, MIN_TOP_K
 
     distill = cfg.algo.distill
     if distill.mode != "jsd":
@@ -279,8 +279,9 @@ def _validate_top_k_distillation(cfg: Config) -> None:
         if changed:
             raise ConfigError(f"config key 'algo.distill.{changed}' applies to algo.distill.mode jsd")
         return
-    if not 1 <= distill.top_k <= MAX_TOP_K:
-        raise ConfigError(f"config key 'algo.distill.top_k' must be in 1..{MAX_TOP_K}, got {distill.top_k}")
+    if not MIN_TOP_K <= distill.top_k <= MAX_TOP_K:
+        raise ConfigError(f"config key 'algo.distill.top_k' must be in {MIN_TOP_K}..{MAX_TOP_K} (renormalised on one "
+                          f"token, both distributions are the same), got {distill.top_k}")
     if not 0.0 <= distill.beta <= 1.0:
         raise ConfigError(f"config key 'algo.distill.beta' must be in [0, 1], got {distill.beta}")
     if cfg.teacher.url:

@@ -92,7 +92,7 @@ class Experience:
     old_logprobs: torch.Tensor | None = None  # [R] rollout-time policy logprob of each response token
     ref_logprobs: torch.Tensor | None = None  # [R] reference logprobs (None when KL is off)
     teacher_logprobs: torch.Tensor | None = None  # [R] on-policy distillation's teacher's logprobs (None: no teacher)
-    teacher_topk_ids: torch.Tensor | None = None  # [R, k] the teacher's k most likely tokens (algo.distill.mode jsd)
+    teacher_topk_ids: torch.Tensor | None = None  # [R, k] int32 the teacher's k most likely tokens (algo.distill.mode jsd)
     teacher_topk_logprobs: torch.Tensor | None = None  # [R, k] their teacher logprobs
     advantages: torch.Tensor | None = None  # [R]
     values: torch.Tensor | None = None  # [R] rollout-time critic outputs (normalised space if value_norm)

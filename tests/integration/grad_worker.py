@@ -72,7 +72,7 @@ def main(model_dir: str, train_path: str, micro_batch_tokens: int, out_file: str
                 ref_logprobs=-6.5 + 0.5 * torch.randn(length, generator=g),
                 advantages=torch.randn(length, generator=g),
                 # A teacher's top-4 tokens and logprobs at each token (distillation's jsd term).
-                teacher_topk_ids=torch.randint(10, 600, (length, 4), generator=g),
+                teacher_topk_ids=torch.randint(10, 600, (length, 4), generator=g).int(),
                 teacher_topk_logprobs=-2.0 + torch.randn(length, 4, generator=g),
             )
         )

@@ -1,6 +1,7 @@
 """Worker of test_sequence_parallel: one packed micro-batch's logprobs, entropies, values and
 parameter gradients with its tokens split over the ranks (train.sequence_parallel = world size),
-against the same micro-batch run whole on each rank.
+against the same micro-batch run whole on each rank; and the policy's scores as a distillation
+teacher (sampled-token logprobs, top-k ids and logprobs).
 
 Every rank builds the same rollouts (seeded), packs them, runs them whole (the reference), then
 sharded: the per-token outputs summed over the ranks and the gradients summed over the ranks
@@ -63,6 +64,7 @@ def compare(case: str, model_dir: str, data_dir: str, group) -> dict:
     """One case: the micro-batch run whole on each rank, then shared by the ranks of `group`."""
     from vlrft.distributed import all_reduce_sum, rank, sum_over, world_size
     from vlrft.models.loader import enable_gradient_checkpointing, freeze_vision_tower, load_model
+    from vlrft.models.forward import teacher_scores
     from vlrft.models.packing import pack
     from vlrft.models.sdpa_segments import SDPA_SEGMENTS
     from vlrft.models.sequence_parallel import shard_model
@@ -82,6 +84,7 @@ def compare(case: str, model_dir: str, data_dir: str, group) -> dict:
     g = torch.Generator().manual_seed(1)
     weights = torch.rand(3, *batch.input_ids.shape, generator=g)
     whole, whole_grads = run(policy, critic, batch, weights)
+    whole_teacher = teacher_scores(policy, batch, 0.7, top_k=4)  # the policy as a distillation teacher (jsd's top-k)
 
     shard = SequenceShard(group, rank(), world_size())
     for model in (policy, critic):
@@ -89,7 +92,12 @@ def compare(case: str, model_dir: str, data_dir: str, group) -> dict:
     parts, part_grads = run(policy, critic, batch, weights)
     summed = [sum_over(t, group) for t in parts]
     grads = all_reduce_sum(part_grads)
+    teacher = teacher_scores(policy, batch, 0.7, top_k=4)
+    teacher = [sum_over(t, group) for t in (teacher.logp, teacher.top_ids, teacher.top_logp)]
     return {
+        # the teacher's logprobs, how many of its top-k ids differ, their logprobs
+        "teacher": [float((teacher[0] - whole_teacher.logp).abs().max()), float((teacher[1] != whole_teacher.top_ids).sum()),
+                    float((teacher[2] - whole_teacher.top_logp).abs().max())],
         "tokens": batch.input_ids.shape[1],
         "scored_here": int((parts[0] != 0).sum()),
         "scored": int((whole[0] != 0).sum()),

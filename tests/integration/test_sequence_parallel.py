@@ -33,7 +33,7 @@ def test_two_ranks_sharing_a_vision_language_micro_batch_equal_it_whole(tiny_vl,
     assert sorted(results) == sorted(cases)
     for case, result in results.items():
         assert 0 < result["scored_here"] < result["scored"], case  # rank 0 scored its shard's tokens only
-        assert max(result["outputs"]) <= 1e-5, (case, result)
+        assert max(result["outputs"]) <= 1e-5 and max(result["teacher"]) <= 1e-5, (case, result)
         assert result["gradient"] <= 1e-5, (case, result)
 
 
@@ -42,14 +42,14 @@ def test_two_ranks_sharing_a_qwen3_vl_micro_batch_equal_it_whole(vl_models, colo
     each rank adds those of its shard's visual tokens."""
     result = sharded_against_whole("qwen3-vl", vl_models("qwen3-vl"), colour_data, tmp_path / "out.json")["qwen3-vl"]
     assert 0 < result["scored_here"] < result["scored"]
-    assert max(result["outputs"]) <= 1e-5, result
+    assert max(result["outputs"]) <= 1e-5 and max(result["teacher"]) <= 1e-5, result
     assert result["gradient"] <= 1e-5, result
 
 
 def test_two_ranks_sharing_a_text_micro_batch_equal_it_whole(tiny_text, addition_data, tmp_path):
     result = sharded_against_whole("text", tiny_text, addition_data, tmp_path / "out.json")["text"]
     assert 0 < result["scored_here"] < result["scored"]
-    assert max(result["outputs"]) <= 1e-5, result
+    assert max(result["outputs"]) <= 1e-5 and max(result["teacher"]) <= 1e-5, result
     assert result["gradient"] <= 1e-5, result
 
 
@@ -76,5 +76,5 @@ def test_four_ranks_sharing_a_text_micro_batch_equal_it_whole(tiny_text, additio
         shutil.copy(Path(tiny_text) / name, wide / name)
     result = sharded_against_whole("text", str(wide), addition_data, tmp_path / "out.json", ranks=4)["text"]
     assert 0 < result["scored_here"] < result["scored"]
-    assert max(result["outputs"]) <= 1e-5, result
+    assert max(result["outputs"]) <= 1e-5 and max(result["teacher"]) <= 1e-5, result
     assert result["gradient"] <= 1e-5, result

@@ -108,3 +108,15 @@ def test_jsd_over_the_whole_vocabulary_is_the_exact_divergence():
     log_s, log_t = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
     exact = (log_s.exp() * (log_s - log_t)).sum(-1)
     torch.testing.assert_close(top_k_jsd(student + 4.0, teacher - 1.0, 1.0), exact)
+
+
+def test_jsd_with_a_token_of_probability_zero_stays_finite_with_finite_gradients():
+    # A -inf logprob (a token the model rules out) on either side: no NaN in value or gradient.
+    student = torch.tensor([[math.log(0.5), math.log(0.5), -math.inf]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)]], dtype=torch.float64)
+    for beta in (0.0, 0.5):
+        for s, t in ((student, teacher), (teacher.clone().requires_grad_(), student.detach())):
+            divergence = top_k_jsd(s, t, beta)
+            (grad,) = torch.autograd.grad(divergence.sum(), s)
+            assert torch.isfinite(grad).all(), (beta, s)
+            assert torch.isfinite(divergence).all() or beta == 0.0  # KL(P || Q) with Q = 0 where P > 0 is infinite

@@ -25,10 +25,9 @@ TEMPERATURE = 0.7
 TOP_K = 5
 
 
-def own_forward(model, rollout):
-    """The teacher's HF forward on the sample alone, with its own M-RoPE positions: (logprob of
-    each response token at TEMPERATURE, whether it is the argmax, [R] each; the TOP_K most likely
-    tokens and their logprobs, [R, TOP_K] each)."""
+def own_logprobs(model, rollout):
+    """The teacher's HF forward on the sample alone, with its own M-RoPE positions: [R, V] its
+    logprobs at TEMPERATURE at each response token, and the tokens, [R]."""
     batch = collate([rollout], pad_id=0)
     inputs = batch.model_inputs()
     extra = {}
@@ -38,12 +37,16 @@ def own_forward(model, rollout):
             mm_token_type_ids=inputs.get("mm_token_type_ids"))
     with torch.no_grad():
         logits = model(**inputs, **extra).logits[0, :-1].float() / TEMPERATURE  # [L-1, V] predicting tokens 1..
-    targets = batch.input_ids[0, 1:]
-    every = torch.log_softmax(logits, -1)
-    logp = every.gather(-1, targets[:, None]).squeeze(-1)
     scored = batch.response_mask[0, 1:].bool()
+    return torch.log_softmax(logits, -1)[scored], batch.input_ids[0, 1:][scored]
+
+
+def own_forward(model, rollout):
+    """(logprob of each response token, whether it is the argmax, [R] each; the TOP_K most likely
+    tokens and their logprobs, [R, TOP_K] each) from `own_logprobs`."""
+    every, targets = own_logprobs(model, rollout)
     best, ids = every.topk(TOP_K, dim=-1)
-    return logp[scored], (logits.argmax(-1) == targets).float()[scored], ids[scored], best[scored]
+    return every.gather(-1, targets[:, None]).squeeze(-1), (every.argmax(-1) == targets).float(), ids, best
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +104,39 @@ def test_a_multi_turn_response_is_scored_whole_and_distilled_on_its_own_tokens(t
                                        {"old": student, "teacher": teacher_logp, "teacher_top": top},
                                        torch.ones(1, 25), mask, teacher_seconds=0.0)
     assert torch.equal(unchanged, torch.ones(1, 25))
-    # jsd mode: the advantage is left alone too, and the teacher's top-k kept for the update
-    ids, best = torch.zeros(25, 3, dtype=torch.long), torch.full((25, 3), -1.5)
-    rows = {"old": student, "teacher": teacher_logp, "teacher_top": top, "teacher_topk_ids": [ids],
-            "teacher_topk_logprobs": [best]}
+    # jsd mode: the advantage is left alone too, and the teacher's top-k kept for the update:
+    # copies (int32 ids), not views of the micro-batch's rows, which a pickled experience would
+    # carry whole to another rank
+    ids, best = torch.arange(100 * 3).reshape(100, 3), -torch.rand(100, 3)  # a micro-batch of 100 response tokens
+    rows = {"old": student, "teacher": teacher_logp, "teacher_top": top, "teacher_topk_ids": [ids[10:35]],
+            "teacher_topk_logprobs": [best[10:35]]}
     unchanged, _ = distill_experiences(DistillSettings("jsd", 2.0, 3), [experience], rows, torch.ones(1, 25), mask, 0.0)
     assert torch.equal(unchanged, torch.ones(1, 25))
-    assert experience.teacher_topk_ids is ids and experience.teacher_topk_logprobs is best
+    assert torch.equal(experience.teacher_topk_ids, ids[10:35].int()) and experience.teacher_topk_ids.dtype == torch.int32
+    assert torch.equal(experience.teacher_topk_logprobs, best[10:35])
+    for kept in (experience.teacher_topk_ids, experience.teacher_topk_logprobs):
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+
+
+def test_top_k_has_the_right_dtype_without_response_tokens_and_stays_in_the_students_vocabulary(teacher, mixed_rollouts):
+    # A micro-batch with no response token to score (with sequence parallelism: a shard that is
+    # all prompt): the group sums every shard's rows, so their dtypes must agree.
+    empty = pack([replace(mixed_rollouts[1], response_ids=[])])
+    scores = teacher_scores(teacher, empty, TEMPERATURE, top_k=TOP_K)
+    assert scores.top_ids.dtype == torch.long and scores.top_ids.shape == empty.input_ids.shape + (TOP_K,)
+    assert scores.top_logp.dtype == torch.float32 and scores.top_logp.abs().sum() == 0
+    # A teacher whose head has more rows than the student's: its top-k among the student's ids,
+    # each with its logprob under the teacher's whole distribution.
+    batch = pack(mixed_rollouts)
+    whole = teacher_scores(teacher, batch, TEMPERATURE, top_k=TOP_K)
+    student_vocab = int(whole.top_ids[batch.response_mask.bool()].min()) + 1  # cuts some teacher favourites off
+    cut = teacher_scores(teacher, batch, TEMPERATURE, top_k=TOP_K, student_vocab=student_vocab)
+    scored = batch.response_mask.bool()
+    assert int(cut.top_ids[scored].max()) < student_vocab and not torch.equal(cut.top_ids, whole.top_ids)
+    for rollout, ids, logp in zip(batch.samples, gather_responses(batch, cut.top_ids), gather_responses(batch, cut.top_logp)):
+        every, _ = own_logprobs(teacher, rollout)  # [R, V] over the teacher's vocabulary
+        torch.testing.assert_close(every[:, :student_vocab].topk(TOP_K, dim=-1).indices, ids)
+        torch.testing.assert_close(every.gather(-1, ids), logp, rtol=0, atol=1e-5)
 
 
 def test_teacher_checks(tiny_vl, tiny_text, tmp_path):
@@ -131,8 +160,9 @@ def test_teacher_checks(tiny_vl, tiny_text, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["algo.distill.top_k=5"], "config key 'algo.distill.top_k' applies to algo.distill.mode jsd"),
     (["algo.distill.beta=0.1", "algo.distill.mode=loss"], "config key 'algo.distill.beta' applies to algo.distill.mode jsd"),
-    (["algo.distill.mode=jsd", "algo.distill.top_k=0"], "config key 'algo.distill.top_k' must be in 1..256, got 0"),
-    (["algo.distill.mode=jsd", "algo.distill.top_k=257"], "config key 'algo.distill.top_k' must be in 1..256, got 257"),
+    (["algo.distill.mode=jsd", "algo.distill.top_k=1"], "config key 'algo.distill.top_k' must be in 2..256 (renormalised on "
+                                                        "one token, both distributions are the same), got 1"),
+    (["algo.distill.mode=jsd", "algo.distill.top_k=257"], "config key 'algo.distill.top_k' must be in 2..256"),
     (["algo.distill.mode=jsd", "algo.distill.beta=1.5"], "config key 'algo.distill.beta' must be in [0, 1], got 1.5"),
     (["algo.distill.mode=jsd", "teacher.url=http://t:1"], "config key 'algo.distill.mode' jsd needs a local teacher (teacher.path)"),
 ])

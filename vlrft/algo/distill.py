@@ -32,8 +32,9 @@ import torch
 
 DISTILL_MODES = ("advantage", "loss", "jsd")
 # jsd: the most top-k tokens a position keeps. Each experience holds k ids and k logprobs per
-# response token (12 bytes each) from the experience pass to the update, on the CPU.
-MAX_TOP_K = 256
+# response token (8 bytes each) from the experience pass to the update, on the CPU. At least 2:
+# renormalised on one token, both distributions are [1] and the divergence is 0.
+MIN_TOP_K, MAX_TOP_K = 2, 256
 
 
 def reverse_kl_tokens(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -54,8 +55,11 @@ def distill_loss_terms(logp: torch.Tensor, teacher_logp: torch.Tensor, coef: flo
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) over the last dim from log-probabilities; a token a gives no mass adds 0."""
-    return torch.where(log_a > -math.inf, log_a.exp() * (log_a - log_b), 0.0).sum(-1)
+    """KL(a || b) over the last dim from log-probabilities; a token a gives no mass adds 0 (its
+    terms zeroed before the product too: -inf - x there would make the backward NaN)."""
+    present = log_a > -math.inf
+    log_a, log_b = torch.where(present, log_a, 0.0), torch.where(present, log_b, 0.0)
+    return torch.where(present, log_a.exp() * (log_a - log_b), 0.0).sum(-1)
 
 
 def top_k_jsd(student_top: torch.Tensor, teacher_top: torch.Tensor, beta: float) -> torch.Tensor:

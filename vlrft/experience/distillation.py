@@ -35,7 +35,11 @@ def distill_experiences(
     for i, (e, teacher) in enumerate(zip(experiences, per_token["teacher"])):
         e.teacher_logprobs = teacher
         if per_token.get("teacher_topk_ids"):  # jsd: [R, k] each
-            e.teacher_topk_ids, e.teacher_topk_logprobs = per_token["teacher_topk_ids"][i], per_token["teacher_topk_logprobs"][i]
+            # Copies, not views of the micro-batch's rows: an experience sent to another rank
+            # (rank balance, sequence parallelism) pickles the whole storage of a view. Ids as
+            # int32: 8 bytes a top-k entry with its logprob, kept until the update.
+            e.teacher_topk_ids = per_token["teacher_topk_ids"][i].to(torch.int32)
+            e.teacher_topk_logprobs = per_token["teacher_topk_logprobs"][i].clone()
     student, teacher = pad_rows(per_token["old"], width), pad_rows(per_token["teacher"], width)  # [N, R]
     if settings.mode == "advantage":
         advantages = advantages + distill_advantages(student, teacher, estimated, settings.coef)

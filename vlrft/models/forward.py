@@ -82,10 +82,11 @@ def _decoder(inner, batch: MicroBatch, extra: dict):
 
 @torch.no_grad()
 def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float, top_k: int = 0,
-                   chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> TeacherScores:
+                   student_vocab: int | None = None, chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> TeacherScores:
     """A frozen teacher's view of the response tokens (logprobs as `policy_forward` computes
-    them), with `top_k` its k most likely tokens at each. The LM head runs a chunk of tokens at
-    a time (the logits are [chunk, V])."""
+    them), with `top_k` its k most likely tokens at each among the ids the student's head has
+    (`student_vocab`; a teacher's head may have more rows: Qwen2.5-7B's 152,064 against 0.5B's
+    151,936). The LM head runs a chunk of tokens at a time (the logits are [chunk, V])."""
     inner = getattr(model, "module", model)
     with decoder_autocast(inner):
         hidden, _ = _decoder(inner, batch, {})
@@ -93,7 +94,8 @@ def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float
         sample, token = scored.nonzero(as_tuple=True)
         predicting = hidden[sample, predictor_rows(batch).to(hidden.device)[sample, token]]  # [N, H]
         targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
-        k = min(top_k, inner.lm_head.out_features)
+        vocab = min(student_vocab or inner.lm_head.out_features, inner.lm_head.out_features)
+        k = min(top_k, vocab)
         logps, tops, top_ids, top_logps = [], [], [], []
         for start in range(0, predicting.shape[0], chunk_tokens):
             logits = inner.lm_head(predicting[start : start + chunk_tokens]).float() / temperature  # [c, V]
@@ -101,19 +103,21 @@ def teacher_scores(model: torch.nn.Module, batch: MicroBatch, temperature: float
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
             logps.append((logits.gather(-1, target[:, None]) - lse).squeeze(-1))
             tops.append((logits.argmax(dim=-1) == target).float())
-            best, ids = logits.topk(k, dim=-1)  # [c, k]
+            best, ids = logits[:, :vocab].topk(k, dim=-1)  # [c, k]
             top_ids.append(ids)
             top_logps.append(best - lse)
 
-    def place(chunks: list[torch.Tensor], width: tuple = ()) -> torch.Tensor:  # [N, ...] chunks -> [B, L, ...]
-        out = torch.zeros(scored.shape + width, device=hidden.device, dtype=chunks[0].dtype if chunks else torch.float32)
+    def place(chunks: list[torch.Tensor], width: tuple = (), dtype=torch.float32) -> torch.Tensor:
+        """[N, ...] chunks -> [B, L, ...] in `dtype`, also with no chunks: with sequence
+        parallelism a shard may hold no response token, and the group sums its zeros."""
+        out = torch.zeros(scored.shape + width, device=hidden.device, dtype=dtype)
         if chunks:
-            out[scored] = torch.cat(chunks)
+            out[scored] = torch.cat(chunks).to(dtype)
         return out
 
     scores = TeacherScores(place(logps), place(tops))
     if top_k:
-        scores.top_ids, scores.top_logp = place(top_ids, (k,)), place(top_logps, (k,))
+        scores.top_ids, scores.top_logp = place(top_ids, (k,), torch.long), place(top_logps, (k,))
     return scores
 
 
@@ -132,11 +136,13 @@ def _head_stats(
         predicting = hidden.gather(1, rows[:, 1:, None].expand(-1, -1, hidden.shape[-1]))  # [B, L-1, H] for tokens 1..L-1
         logits = inner.lm_head(predicting).float() / temperature  # [B, L-1, V]
         targets = batch.input_ids[:, 1:].to(hidden.device)  # [B, L-1]
-        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, L-1]
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, L-1, 1]
+        logp = (logits.gather(-1, targets.unsqueeze(-1)) - lse).squeeze(-1)  # [B, L-1]
         keep = scored[:, 1:].float()
         out = ForwardOut(_shift(logp * keep), _shift(token_entropy(logits) * keep), logits, aux)
         if top_ids is not None:  # [B, L-1, k] for tokens 1..L-1, then at each token's own position
-            chosen = torch.log_softmax(logits, dim=-1).gather(-1, top_ids[:, 1:].to(hidden.device)) * keep[..., None]
+            # (gathered from the logits, not from a log_softmax of them: no second [B, L-1, V] kept for backward)
+            chosen = (logits.gather(-1, top_ids[:, 1:].to(hidden.device).long()) - lse) * keep[..., None]
             out.top_logp = torch.nn.functional.pad(chosen, (0, 0, 1, 0))
         return out
     if not scored.any():
@@ -151,7 +157,7 @@ def _head_stats(
         return ForwardOut(logp=logp, entropy=torch.zeros_like(logp).detach(), aux_loss=aux, top_logp=top_logp)
     sample, token = scored.nonzero(as_tuple=True)  # [N] each, in row order
     targets = batch.input_ids.to(hidden.device)[sample, token]  # [N]
-    also = None if top_ids is None else top_ids.to(hidden.device)[sample, token]  # [N, k]
+    also = None if top_ids is None else top_ids.to(hidden.device)[sample, token].long()  # [N, k]
     logp_sel, entropy_sel, also_sel = head_token_stats(inner, hidden[sample, rows[sample, token]], targets, temperature,
                                                        chunk_tokens, also)
     logp = logp_sel.new_zeros(scored.shape).masked_scatter(scored, logp_sel)  # [B, L] fp32

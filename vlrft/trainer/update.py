@@ -108,7 +108,7 @@ def teacher_top_k(batch: MicroBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
     def rows(field: str, dtype: torch.dtype) -> list[torch.Tensor]:
         return [getattr(e, field) if len(rollout_of(e).response_ids) else torch.zeros(0, k, dtype=dtype) for e in batch.samples]
 
-    return scatter_responses(batch, rows("teacher_topk_ids", torch.long)), rows("teacher_topk_logprobs", torch.float32)
+    return scatter_responses(batch, rows("teacher_topk_ids", torch.int32)), rows("teacher_topk_logprobs", torch.float32)
 
 
 def keep_policy_terms(batch: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from vlrft.config import (
     ON_BAD_SAMPLE,
     WANDB_MODES,
     Config,
-    LoraConfig,
     ModelConfig,
     RewardConfig,
     TeacherConfig,
@@ -37,12 +36,11 @@ def _validate_model(model: ModelConfig, zero_stage: int) -> None:
 
     if problem := fused_head_problem(model.fused_head, model.compute_dtype):
         raise ConfigError(problem)
-    lora, defaults = model.lora, LoraConfig()
+    lora = model.lora
     if lora.rank < 0:
         raise ConfigError(f"config key 'model.lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
-        fields = ("alpha", "dropout", "lr_ratio", "target_modules")
-        if any(getattr(lora, f) != getattr(defaults, f) for f in fields):
+        if _changed_key(lora, ("alpha", "dropout", "lr_ratio", "target_modules")):
             raise ConfigError("config keys 'model.lora.*' apply to LoRA training: set model.lora.rank > 0")
         return
     if lora.alpha <= 0:
@@ -275,8 +273,7 @@ def _validate_top_k_distillation(cfg: Config) -> None:
 
     distill = cfg.algo.distill
     if distill.mode != "jsd":
-        changed = next((k for k in ("top_k", "beta") if getattr(distill, k) != getattr(DistillConfig(), k)), None)
-        if changed:
+        if changed := _changed_key(distill, ("top_k", "beta")):
             raise ConfigError(f"config key 'algo.distill.{changed}' applies to algo.distill.mode jsd")
         return
     if not MIN_TOP_K <= distill.top_k <= MAX_TOP_K:
@@ -292,12 +289,17 @@ def _validate_top_k_distillation(cfg: Config) -> None:
                           "model.fused_head liger does not give: use model.fused_head auto or chunked")
 
 
+def _changed_key(section, keys: tuple[str, ...]) -> str | None:
+    """The first of `keys` that a config `section` (a dataclass) sets away from its default."""
+    defaults = type(section)()
+    return next((key for key in keys if getattr(section, key) != getattr(defaults, key)), None)
+
+
 def _validate_remote_teacher(teacher: TeacherConfig) -> None:
     """teacher.url: an http(s) URL instead of teacher.path; its client's keys only with it."""
     remote_keys = ("token_file", "timeout_s", "retries", "deadline_s")
     if not teacher.url:
-        changed = next((k for k in remote_keys if getattr(teacher, k) != getattr(TeacherConfig(), k)), None)
-        if changed:
+        if changed := _changed_key(teacher, remote_keys):
             raise ConfigError(f"config key 'teacher.{changed}' applies to a remote teacher: set teacher.url")
         return
     if teacher.path:

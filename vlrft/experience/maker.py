@@ -318,9 +318,9 @@ class FastExperienceMaker:
                     found["kl"] = KL_ESTIMATORS.get(s.kl.estimator)(policy.logp, ref.logp)
             if self.local_teacher:
                 started = time.perf_counter()
-                student = getattr(self.policy(), "module", self.policy())  # (its LM head's rows: the config's vocab_size)
-                scores = teacher_scores(self.teacher, batch, temperature, s.distill.top_k,
-                                        student.config.get_text_config().vocab_size)
+                student = self.policy()  # (its LM head's rows: its config's vocab_size)
+                student_vocab = getattr(student, "module", student).config.get_text_config().vocab_size
+                scores = teacher_scores(self.teacher, batch, temperature, s.distill.top_k, student_vocab)
                 found["teacher"], found["teacher_top"] = scores.logp, scores.argmax
                 if scores.top_ids is not None:  # algo.distill.mode jsd
                     found["teacher_topk_ids"], found["teacher_topk_logprobs"] = scores.top_ids, scores.top_logp

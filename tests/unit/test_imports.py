@@ -9,3 +9,12 @@ def test_importing_vlrft_pulls_in_no_heavy_dependency():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_cli_starts_a_server_or_a_report_without_torch():
+    # `vlrft reward-server` and `vlrft report` need neither torch nor transformers: a server
+    # started per test or per node is up seconds sooner (torch alone imports in 2-6 s).
+    code = ("import sys, vlrft.cli, vlrft.rewards.server, vlrft.trajectory.report;"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -13,8 +13,6 @@ import re
 import statistics
 from collections import defaultdict
 
-import torch
-
 from reward_recipes.repetition import repeated_ngram_fraction
 
 # Words and phrases that mark self-reflection in reasoning traces (counted case-insensitively,
@@ -54,6 +52,8 @@ def per_source_accuracy(records: list[dict]) -> dict[str, float]:
 def distribution(values) -> dict[str, float]:
     """mean / std (population) / min / p50 / p90 / max of a list or tensor; empty input gives
     {}. Sorted and summed in float64: a run's token entropies can number in the millions."""
+    import torch  # here, not at the top: `vlrft reward-server` imports this module (through the CLI) and never needs torch
+
     ordered = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values
     if ordered.numel() == 0:
         return {}

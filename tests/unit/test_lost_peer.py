@@ -103,3 +103,39 @@ def test_a_rank_that_stops_names_a_peer_that_went_silent_without_stopping(monkey
     r0.linger(limit_s=30.0)
     assert capsys.readouterr().err == ("vlrft: rank 0 (trainer) stops: rank 2 (rollout) died or stopped answering "
                                        "(it went silent without stopping)\n")
+
+
+def test_torchrun_s_signal_reaches_trainer_rank_0_waiting_for_a_dead_rank_s_evaluation(monkeypatch):
+    """Trainer rank 0 waits on the job's store for an evaluation the rollout rank never posts (it
+    was killed): torchrun's SIGTERM must be handled within a look, and the wait then doubts its
+    peers. One blocking get on a real TCPStore would hold the handler off until the store's timeout."""
+    import datetime
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from vlrft.trainer import version_board
+    from vlrft.trainer.async_roles import doubt_if_signalled
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    monkeypatch.setattr(version_board, "watch_store", lambda timeout_s: store)
+    board, trainer = version_board.VersionBoard(), SimpleNamespace(stop_signal=None)
+
+    def waiting():
+        doubt_if_signalled(trainer)
+        if rank_watch._DOUBT.is_set():
+            raise TimeoutError  # (where the rank watch ends the process, naming the silent peer)
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(trainer, "stop_signal", signum))
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            board.evaluation(2, waiting)
+        assert time.monotonic() - start < 10
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    board.post_evaluation(4, {"eval/accuracy": 0.5})
+    trainer.stop_signal = None
+    assert board.evaluation(4, waiting) == {"eval/accuracy": 0.5}  # posted already: no wait

@@ -150,6 +150,13 @@ def resume_rollout_rank(trainer, path) -> None:
         set_rng_state(mine["rng"])
 
 
+def doubt_if_signalled(trainer) -> None:
+    """Called at a wait for a peer. A signal then may be torchrun's after a peer died: the wait
+    would never end, so the rank watch now takes a peer silent for seconds as dead."""
+    if trainer.stop_signal is not None:
+        doubt_peers()
+
+
 def run_role(trainer) -> list[tuple[int, float]]:
     """The asynchronous loop of this rank's role. Returns the evaluations (trainer rank 0)."""
     return run_rollout(trainer) if trainer.role == "rollout" else run_trainer(trainer)
@@ -197,13 +204,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         if step:
             all_reduce_max_int(step)
             raise stopped(step)
-        doubt_if_signalled()
-
-    def doubt_if_signalled() -> None:
-        # A signal during a wait on the store may be torchrun's after a peer died: a wait there
-        # would never see it, so the rank watch now takes a peer silent for seconds as dead.
-        if trainer.stop_signal is not None:
-            doubt_peers()
+        doubt_if_signalled(trainer)
 
     def stop_if_a_peer_stopped() -> None:
         step = all_reduce_max_int(0)
@@ -241,7 +242,7 @@ def run_rollout(trainer) -> list[tuple[int, float]]:
         def note_the_stop() -> None:
             if board.stopped_after():
                 raise StoppedMidBatch
-            doubt_if_signalled()
+            doubt_if_signalled(trainer)
 
         def new_weights() -> bool:  # between two decoding steps: take what the trainer announced
             nonlocal taken_mid_batch, looked, stop_seen
@@ -346,7 +347,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
                     if not wait:
                         return
                     progress.enter(f"waiting for the rollout ranks' evaluation of version {next_evaluation}")
-                metrics = board.evaluation(next_evaluation)
+                metrics = board.evaluation(next_evaluation, lambda: doubt_if_signalled(trainer))
                 trainer.eval_history.append((next_evaluation, metrics["eval/accuracy"]))
                 trainer.logger.log(next_evaluation, metrics)
             next_evaluation += 1

@@ -4,6 +4,8 @@ announced and taken, batches received, evaluations, a stop)."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 
 from vlrft.distributed import PROCESS_GROUP_TIMEOUT, watch_store
 
@@ -23,6 +25,7 @@ class VersionBoard:
     EVALUATION_KEY = "vlrft/async/evaluation/"  # + a weights version: its held-out metrics
     READY_KEY = "vlrft/async/ready_for/"  # + a weights version / a rollout rank's global rank: it waits to take it
     SENDING_KEY = "vlrft/async/sending_to/"  # + a delivery: the newest version trainer rank 0 began to send it
+    POLL_S = 0.05  # how often a wait for an evaluation looks again
 
     def __init__(self):
         self.store = watch_store(PROCESS_GROUP_TIMEOUT.total_seconds())
@@ -67,8 +70,14 @@ class VersionBoard:
     def has_evaluation(self, version: int) -> bool:
         return self.store.check([f"{self.EVALUATION_KEY}{version}"])
 
-    def evaluation(self, version: int) -> dict[str, float]:
-        """The evaluation of weights `version` (waits until it is posted)."""
+    def evaluation(self, version: int, while_waiting: Callable[[], None]) -> dict[str, float]:
+        """The evaluation of weights `version`: looks until it is posted, calling `while_waiting`
+        between two looks. Not one blocking get: a signal's Python handler runs only once the
+        store's call returns, so a rank stopped by torchrun after the evaluating rank died would
+        only learn of it at the store's timeout."""
+        while not self.has_evaluation(version):
+            while_waiting()
+            time.sleep(self.POLL_S)
         return json.loads(self.store.get(f"{self.EVALUATION_KEY}{version}"))
 
     def acknowledge(self, source: int) -> None:

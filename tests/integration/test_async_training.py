@@ -14,6 +14,7 @@ import yaml
 
 from tests.integration.test_resume import HELD_RECIPE, finish, launch
 from tests.integration.test_torchrun_training import RECIPE, free_port
+from tests.process_env import rank_launch
 from vlrft.data.sampler import PromptSampler
 
 pytestmark = pytest.mark.integration
@@ -39,9 +40,9 @@ def run(tmp_path, name: str, ranks: int, model: str, data, rollout: dict = None,
         config[key] = config.get(key, {}) | value
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), "-m", "vlrft.cli", "train", str(path)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, env = rank_launch(ranks, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(launcher + ["-m", "vlrft.cli", "train", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:  # a hung role: end every process of the run, then fail

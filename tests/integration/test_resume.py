@@ -5,6 +5,7 @@ intact and resumable), and a second run on a directory in use (refused on every 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import yaml
 
 import vlrft
 
-from tests.integration.test_torchrun_training import free_port
+from tests.process_env import rank_launch
 from vlrft.models.loader import load_model
 
 pytestmark = pytest.mark.integration
@@ -68,12 +69,9 @@ def write_config(root: Path, model: str, dataset: Path, run: str, **extra) -> Pa
 
 
 def launch(config: Path, ranks: int) -> subprocess.Popen:
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "vlrft.cli", "train", str(config)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), "-m", "vlrft.cli", "train", str(config)]
-    return subprocess.Popen(cmd, cwd=config.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, env = rank_launch(ranks, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(launcher + ["-m", "vlrft.cli", "train", str(config)], cwd=config.parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -257,9 +255,21 @@ torch.save(state, sys.argv[1])
 """
 
 
-def checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train: dict) -> Path:
-    """The run directory of a two-rank run of `train` (its checkpoint, to tamper with)."""
-    finish(launch(write_config(tmp_path, tiny_text, addition_data, "run", train=train), ranks=2))
+CHECKPOINTED = {"total_steps": 1, "lr": 1e-2, "micro_batch_tokens": 200, "zero_stage": 2}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_text, addition_data, tmp_path_factory) -> Path:
+    """The run directory of a two-rank run of CHECKPOINTED, with its checkpoint (trained once per
+    test process; each test tampers with a copy)."""
+    root = tmp_path_factory.mktemp("checkpointed")
+    finish(launch(write_config(root, tiny_text, addition_data, "run", train=CHECKPOINTED), ranks=2))
+    return root / "run"
+
+
+def checkpointed_on_two_ranks(tmp_path, two_rank_run: Path) -> Path:
+    """A copy of `two_rank_run` as this test's run directory."""
+    shutil.copytree(two_rank_run, tmp_path / "run")
     return tmp_path / "run"
 
 
@@ -279,16 +289,16 @@ def refused_on_both_ranks(config, refusal: str) -> None:
     assert not vlrft_frames(out), out[-4000:]
 
 
-def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_at_resume_and_never_runs(tiny_text, addition_data, tmp_path):
+def test_a_pickled_callable_in_a_deepspeed_state_file_is_refused_at_resume_and_never_runs(tiny_text, addition_data, tmp_path,
+                                                                                         two_rank_run):
     """A shell command pickled into rank 1's ZeRO optimizer partition (a file only rank 1 would
     open) of the checkpoint a two-rank run resumes from: every rank stops with one line naming
     the file, no traceback of vlrft's, the command never runs and the checkpoint stays."""
-    train = {"total_steps": 1, "lr": 1e-2, "micro_batch_tokens": 200, "zero_stage": 2}
-    run = checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train)
+    run = checkpointed_on_two_ranks(tmp_path, two_rank_run)
     state_file = run / "checkpoints" / "step_000001" / "policy" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     marker = tmp_path / "payload-ran"
     subprocess.run([sys.executable, "-c", PLANT, str(state_file), str(marker)], env=ENV, check=True)
-    config = write_config(tmp_path, tiny_text, addition_data, "run", train={**train, "total_steps": 2})
+    config = write_config(tmp_path, tiny_text, addition_data, "run", train={**CHECKPOINTED, "total_steps": 2})
     refusal = (f"vlrft: error: refusing to load checkpoint file {state_file}: it holds posix.system, not only tensors, "
                "plain data and DeepSpeed's state (not written by vlrft, or tampered with)")
     refused_on_both_ranks(config, refusal)
@@ -303,19 +313,19 @@ torch.save(state, sys.argv[1])
 """
 
 
-def test_a_rank_file_of_the_wrong_shape_stops_every_rank_before_anything_is_discarded(tiny_text, addition_data, tmp_path):
+def test_a_rank_file_of_the_wrong_shape_stops_every_rank_before_anything_is_discarded(tiny_text, addition_data, tmp_path,
+                                                                                     two_rank_run):
     """rank1.pt, which only rank 1 reads, with a random state python refuses: rank 0's check
     refuses it, so both ranks stop with the same line naming the file, and what the abandoned
     run did after its checkpoint (a trajectory file, a metric line) is still there."""
-    train = {"total_steps": 1, "lr": 1e-2, "micro_batch_tokens": 200}
-    run = checkpointed_on_two_ranks(tmp_path, tiny_text, addition_data, train)
+    run = checkpointed_on_two_ranks(tmp_path, two_rank_run)
     rank_file = run / "checkpoints" / "step_000001" / "rank1.pt"
     subprocess.run([sys.executable, "-c", RESHAPE, str(rank_file)], env=ENV, check=True)
     (run / "trajectories" / "step_000002.rank0.jsonl").write_text("{}\n")  # a step after the checkpoint
     with (run / "metrics.jsonl").open("a") as log:
         log.write(json.dumps({"step": 2, "train/loss": 0.5}) + "\n")
     metrics = (run / "metrics.jsonl").read_text()
-    config = write_config(tmp_path, tiny_text, addition_data, "run", train={**train, "total_steps": 2})
+    config = write_config(tmp_path, tiny_text, addition_data, "run", train={**CHECKPOINTED, "total_steps": 2})
     refusal = (f"vlrft: error: checkpoint file {rank_file} is not a vlrft rank state: its field 'rng' is not a random "
                "state this rank can restore (ValueError: state vector is the wrong size)")
     refused_on_both_ranks(config, refusal)

@@ -6,7 +6,6 @@ skewed shares were evened out by trainer/rank_balance agree within a relative di
 micro-batches and ranks are fp32 ones.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.integration.test_torchrun_training import free_port
-from tests.process_env import fresh_process_env
+from tests.process_env import fresh_process_env, rank_launch
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("grad_worker.py")
@@ -23,9 +22,9 @@ WORKER = Path(__file__).with_name("grad_worker.py")
 
 def gradients(model, data, micro_batch_tokens, ranks, out, share="strided", zero_stage=2, lora_rank=0, prompts="distinct",
               chunk_tokens=None, sequence_parallel=1):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "SEQUENCE_PARALLEL": str(sequence_parallel),
-           "PYTHONPATH": str(Path(__file__).parents[2])} | ({"CHUNK_TOKENS": str(chunk_tokens)} if chunk_tokens else {})
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
+    chunks = {"CHUNK_TOKENS": str(chunk_tokens)} if chunk_tokens else {}
+    launcher, env = rank_launch(ranks, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                                SEQUENCE_PARALLEL=str(sequence_parallel), PYTHONPATH=str(Path(__file__).parents[2]), **chunks)
     cmd = launcher + [str(WORKER), model, str(data / "train.jsonl"), str(micro_batch_tokens), str(out), share, str(zero_stage), str(lora_rank), prompts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

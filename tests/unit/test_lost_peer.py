@@ -105,10 +105,13 @@ def test_a_rank_that_stops_names_a_peer_that_went_silent_without_stopping(monkey
                                        "(it went silent without stopping)\n")
 
 
-def test_torchrun_s_signal_reaches_trainer_rank_0_waiting_for_a_dead_rank_s_evaluation(monkeypatch):
-    """Trainer rank 0 waits on the job's store for an evaluation the rollout rank never posts (it
-    was killed): torchrun's SIGTERM must be handled within a look, and the wait then doubts its
-    peers. One blocking get on a real TCPStore would hold the handler off until the store's timeout."""
+# Trainer rank 0's waits on the job's store for a rollout rank: for its evaluation, and (after the
+# last step, when no signal ends that wait) for it to be ready to take the step's weights.
+@pytest.mark.parametrize("wait", ["evaluation", "weights taken"])
+def test_torchrun_s_signal_reaches_trainer_rank_0_waiting_for_a_dead_rollout_rank(wait, monkeypatch):
+    """The rollout rank was killed, so the wait never ends by itself: torchrun's SIGTERM must be
+    handled within a look, and the wait then doubts its peers. One blocking get on a real
+    TCPStore would hold the handler off until the store's timeout."""
     import datetime
     import os
     import signal
@@ -117,25 +120,43 @@ def test_torchrun_s_signal_reaches_trainer_rank_0_waiting_for_a_dead_rank_s_eval
 
     from vlrft.trainer import version_board
     from vlrft.trainer.async_roles import doubt_if_signalled
+    from vlrft.trainer.weights_delivery import RolloutRanks, WeightsRoutes
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
     monkeypatch.setattr(version_board, "watch_store", lambda timeout_s: store)
-    board, trainer = version_board.VersionBoard(), SimpleNamespace(stop_signal=None)
+    trainer = SimpleNamespace(stop_signal=None)
+
+    class Doubted(Exception):
+        pass
 
     def waiting():
         doubt_if_signalled(trainer)
         if rank_watch._DOUBT.is_set():
-            raise TimeoutError  # (where the rank watch ends the process, naming the silent peer)
+            raise Doubted  # (where the rank watch ends the process, naming the silent peer)
 
+    if wait == "evaluation":
+        board = version_board.VersionBoard()
+        waits = lambda: board.evaluation(2, waiting)  # noqa: E731
+    else:
+        delivery = RolloutRanks(WeightsRoutes([None], [[1]], None), 0, True, lambda version: None, lambda: iter(()))
+        delivery.version, delivery.while_waiting = 6, waiting
+        # The last step's: `stopping()` stays False, but for a bound, so that a wait that never
+        # doubts fails this test instead of hanging it.
+        bound = time.monotonic() + 20
+        delivery.stopping = lambda: time.monotonic() > bound
+        waits = lambda: delivery._next_ready([0])  # noqa: E731
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(trainer, "stop_signal", signum))
+    torchrun = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        torchrun.start()
         start = time.monotonic()
-        with pytest.raises(TimeoutError):
-            board.evaluation(2, waiting)
+        with pytest.raises(Doubted):
+            waits()
         assert time.monotonic() - start < 10
     finally:
+        torchrun.cancel()  # (a wait that ended first must not leave the signal to kill pytest)
+        torchrun.join()
         signal.signal(signal.SIGTERM, previous)
-    board.post_evaluation(4, {"eval/accuracy": 0.5})
-    trainer.stop_signal = None
-    assert board.evaluation(4, waiting) == {"eval/accuracy": 0.5}  # posted already: no wait
+    if wait == "evaluation":
+        board.post_evaluation(4, {"eval/accuracy": 0.5})
+        assert board.evaluation(4, waiting) == {"eval/accuracy": 0.5}  # posted already: no wait

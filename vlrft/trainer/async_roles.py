@@ -336,6 +336,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         return messages
 
     next_evaluation = trainer.global_step  # (a resumed run's rollout ranks evaluate its step again)
+    trainer.engine.while_waiting = lambda: doubt_if_signalled(trainer)  # (for the rollout ranks to take weights)
 
     def log_evaluations(upto: int, wait: bool) -> None:
         """Log the rollout ranks' evaluations of versions up to `upto` in order (trainer rank 0,

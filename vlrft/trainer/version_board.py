@@ -75,7 +75,10 @@ class VersionBoard:
         between two looks. Not one blocking get: a signal's Python handler runs only once the
         store's call returns, so a rank stopped by torchrun after the evaluating rank died would
         only learn of it at the store's timeout."""
+        deadline = time.monotonic() + PROCESS_GROUP_TIMEOUT.total_seconds()  # (as long as one get would wait)
         while not self.has_evaluation(version):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no evaluation of weights version {version} came within {PROCESS_GROUP_TIMEOUT}")
             while_waiting()
             time.sleep(self.POLL_S)
         return json.loads(self.store.get(f"{self.EVALUATION_KEY}{version}"))

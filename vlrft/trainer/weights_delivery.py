@@ -84,6 +84,7 @@ class RolloutRanks:
         self.board = VersionBoard() if sends else None
         self.version = 0
         self.stopping: Callable[[], bool] = lambda: False  # set by run_trainer for the steps a signal may end
+        self.while_waiting: Callable[[], None] = lambda: None  # set by run_trainer: doubt the peers once signalled
         self.skipped = False
 
     def resume_at(self, step: int) -> None:
@@ -131,6 +132,7 @@ class RolloutRanks:
             if self.stopping():
                 self.skipped = True
                 return None
+            self.while_waiting()  # (after the last step no signal stops this wait: a dead rollout rank must be found)
             time.sleep(POLL_S)
 
     def sleep(self) -> None:

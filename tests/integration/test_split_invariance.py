@@ -7,14 +7,12 @@ micro-batches and ranks are fp32 ones.
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_torchrun_training import free_port
-from tests.process_env import fresh_process_env, rank_launch
+from tests.process_env import rank_launch
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("grad_worker.py")
@@ -101,12 +99,10 @@ def test_bf16_weights_sum_gradients_in_fp32_over_micro_batches_and_ranks(tiny_te
     fp32 sums are exact to fp32 rounding. (3 x A also needs every micro-batch kept: ZeRO-3 counts
     micro-batches in the engine's forward, which vlrft's forwards bypass, so the backend advances
     the count itself; without it only the last micro-batch's gradient would remain.)"""
-    env = fresh_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
     worker = [str(Path(__file__).with_name("bf16_sum_worker.py")), tiny_text]
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    for launcher, out in (([sys.executable], one),
-                          ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            "--master_port", str(free_port())], two)):
+    for ranks, out in ((1, one), (2, two)):
+        launcher, env = rank_launch(ranks, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
         proc = subprocess.run(launcher + worker + [str(out)], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = torch.load(one), torch.load(two)

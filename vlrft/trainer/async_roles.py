@@ -19,6 +19,7 @@ How the weights travel, both sides: trainer/weights_delivery.py.
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from dataclasses import dataclass
@@ -336,7 +337,8 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
         return messages
 
     next_evaluation = trainer.global_step  # (a resumed run's rollout ranks evaluate its step again)
-    trainer.engine.while_waiting = lambda: doubt_if_signalled(trainer)  # (for the rollout ranks to take weights)
+    doubt = functools.partial(doubt_if_signalled, trainer)  # at its waits on the store for a rollout rank
+    trainer.engine.while_waiting = doubt  # (for the rollout ranks to take weights)
 
     def log_evaluations(upto: int, wait: bool) -> None:
         """Log the rollout ranks' evaluations of versions up to `upto` in order (trainer rank 0,
@@ -348,7 +350,7 @@ def run_trainer(trainer) -> list[tuple[int, float]]:
                     if not wait:
                         return
                     progress.enter(f"waiting for the rollout ranks' evaluation of version {next_evaluation}")
-                metrics = board.evaluation(next_evaluation, lambda: doubt_if_signalled(trainer))
+                metrics = board.evaluation(next_evaluation, doubt)
                 trainer.eval_history.append((next_evaluation, metrics["eval/accuracy"]))
                 trainer.logger.log(next_evaluation, metrics)
             next_evaluation += 1
